@@ -1,0 +1,20 @@
+"""otbrl: the Optimal Token Baseline for LLM reinforcement learning.
+
+The core is framework-free (torch only): per-token energy from logits (`otbrl.energy`), grouped
+advantage estimators (`otbrl.estimators`), forward-only diagnostics and an exact reference.
+"""
+
+from otbrl.energy import realized_energy, sum_pi_squared, token_energy, token_energy_from_logprobs
+from otbrl.estimators import ESTIMATORS, AdvantageResult, compute_advantages, register_estimator
+
+__all__ = [
+    "ESTIMATORS",
+    "AdvantageResult",
+    "compute_advantages",
+    "realized_energy",
+    "register_estimator",
+    "sum_pi_squared",
+    "token_energy",
+    "token_energy_from_logprobs",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,119 @@
+"""Validation of a rollout batch and the float64 view of it that every estimator receives.
+
+All checks on user input live here, so each estimator can assume clean, masked, float64 tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from otbrl.groups import dense_group_index
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """A validated batch. B trajectories, T token positions, G prompt groups.
+
+    mask:     (B, T) bool, True where the policy generated the token.
+    returns:  (B, T) float64 reward-to-go G_t = sum_{s>=t} r_s m_s, zero where mask is False.
+    outcome:  (B,) float64 total return of each trajectory (the reward for outcome-reward tasks).
+    group:    (B,) long dense group index in [0, G).
+    n_groups: G.
+    energy:   (B, T) float64 per-token energy w_t (>= 0), zero where mask is False; None if not given.
+    """
+
+    mask: torch.Tensor
+    returns: torch.Tensor
+    outcome: torch.Tensor
+    group: torch.Tensor
+    n_groups: int
+    energy: torch.Tensor | None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(B,) float64 number of policy tokens per trajectory."""
+        return self.mask.sum(dim=-1, dtype=torch.float64)
+
+    @property
+    def group_sizes(self) -> torch.Tensor:
+        """(B,) long: how many trajectories share each row's group."""
+        return torch.bincount(self.group, minlength=self.n_groups)[self.group]
+
+
+def _as_tensor(name: str, value: Any, device: torch.device | None = None) -> torch.Tensor:
+    if value is None:
+        raise ValueError(f"{name}: is required")
+    try:
+        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{name}: cannot be read as a tensor ({err})") from None
+    return t if device is None else t.to(device)
+
+
+def check_mask(mask: Any) -> torch.Tensor:
+    """(B, T) tensor of 0/1 (bool, integer or float) -> bool tensor."""
+    mask = _as_tensor("mask", mask)
+    if mask.dim() != 2:
+        raise ValueError(f"mask: expected shape (B, T), got {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        if mask.is_complex() or not ((mask == 0) | (mask == 1)).all():
+            raise ValueError("mask: values must be 0 or 1")
+        mask = mask != 0
+    return mask
+
+
+def check_token_values(name: str, value: Any, mask: torch.Tensor, *, nonnegative: bool = False) -> torch.Tensor:
+    """A (B, T) per-token float tensor, read only where mask is True -> float64, zero elsewhere."""
+    t = _as_tensor(name, value, mask.device)
+    if t.shape != mask.shape:
+        raise ValueError(f"{name}: shape {tuple(t.shape)} does not match mask {tuple(mask.shape)}")
+    if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)):
+        raise ValueError(f"{name}: expected a real-valued tensor, got {t.dtype}")
+    t = torch.where(mask, t.to(torch.float64), 0.0)
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{name}: contains NaN or inf at policy tokens")
+    if nonnegative and (t < 0).any():
+        raise ValueError(
+            f"{name}: must be >= 0 at policy tokens (min {t.min().item():.3g}); if it comes from "
+            "1 - 2*pi + sum(pi^2), use otbrl.token_energy_from_logprobs, which clamps the rounding error"
+        )
+    return t
+
+
+def check_rewards(rewards: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) outcome or (B, T) token rewards -> (returns (B, T), outcome (B,)), float64."""
+    r = _as_tensor("rewards", rewards, mask.device)
+    if r.is_complex() or r.dtype == torch.bool:
+        raise ValueError(f"rewards: expected real numbers, got {r.dtype}")
+    r = r.to(torch.float64)
+    if not torch.isfinite(r).all():
+        raise ValueError("rewards: contain NaN or inf")
+    batch = mask.shape[0]
+    if r.dim() == 1:
+        if r.shape[0] != batch:
+            raise ValueError(f"rewards: length {r.shape[0]} does not match the batch size {batch} of mask")
+        # The outcome reward sits on the last policy token, so every policy token's reward-to-go is R.
+        return torch.where(mask, r[:, None], 0.0), r
+    if r.shape != mask.shape:
+        raise ValueError(f"rewards: expected shape (B,) or (B, T) = {tuple(mask.shape)}, got {tuple(r.shape)}")
+    lost = (r != 0) & ~mask
+    if lost.any():
+        row, col = (int(i) for i in lost.nonzero()[0])
+        raise ValueError(
+            f"rewards: {int(lost.sum())} nonzero token reward(s) sit on mask == 0 positions (first at row {row}, "
+            f"position {col}) and would be dropped; put an outcome reward on the last policy token"
+        )
+    returns = r.flip(-1).cumsum(-1).flip(-1)
+    return torch.where(mask, returns, 0.0), r.sum(dim=-1)
+
+
+def make_rollouts(*, rewards: Any, mask: Any, group_ids: Any, energy: Any = None) -> Rollouts:
+    """Validate user input and build the float64 `Rollouts` view."""
+    mask = check_mask(mask)
+    returns, outcome = check_rewards(rewards, mask)
+    group, n_groups = dense_group_index(group_ids, mask.shape[0], mask.device)
+    w = None if energy is None else check_token_values("energy", energy, mask, nonnegative=True)
+    return Rollouts(mask=mask, returns=returns, outcome=outcome, group=group, n_groups=n_groups, energy=w)

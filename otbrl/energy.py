@@ -1,0 +1,135 @@
+"""The Logit-Gradient Proxy: per-token energy w_t = ||e_y - softmax(z_t / T)||^2 from forward logits.
+
+Everything here is forward-only (no autograd graph), accumulates in at least float32 whatever the input
+dtype, and walks the rows in chunks so a (16k, 152k) bf16 input never needs a full float32 copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Elements of one float32 working tile (64 MiB). Peak extra memory is a small multiple of this,
+# independent of the number of rows.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_logits(logits: torch.Tensor, temperature: float) -> None:
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise ValueError("logits: expected a floating-point tensor of shape (..., V)")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
+
+
+def _rows_per_chunk(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
+def _scaled_tile(tile: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """exp(z/T - max) of one tile, as a fresh tensor of `dtype`.
+
+    -inf logits (masked vocabulary entries) are allowed and get probability 0; NaN, +inf or a row with
+    no finite logit raise. The row max propagates all three, so one check on it suffices.
+    """
+    z = tile.to(dtype, copy=True)
+    if temperature != 1.0:
+        z.div_(temperature)
+    top = z.amax(dim=-1, keepdim=True)
+    if not torch.isfinite(top).all():
+        raise ValueError("logits: contain NaN or +inf, or a row whose logits are all -inf")
+    z.sub_(top).exp_()
+    return z
+
+
+@torch.no_grad()
+def sum_pi_squared(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Sum over the vocabulary of squared probabilities, sum_v softmax(z / T)_v^2.
+
+    logits: (..., V), any floating dtype. Returns (...) in float32 (float64 for float64 input).
+    With e = exp(z/T - max z/T): sum pi^2 = sum e^2 / (sum e)^2, both sums of positive terms.
+    """
+    _check_logits(logits, temperature)
+    dtype = _compute_dtype(logits.dtype)
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
+    step = _rows_per_chunk(flat.shape[1])
+    for start in range(0, flat.shape[0], step):
+        e = _scaled_tile(flat[start : start + step], temperature, dtype)
+        s1 = e.sum(dim=-1)
+        out[start : start + step] = torch.linalg.vecdot(e, e) / (s1 * s1)
+    return out.reshape(logits.shape[:-1])
+
+
+@torch.no_grad()
+def token_energy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Logit-space squared score norm of the sampled token, ||e_y - softmax(z / T)||^2, in [0, 2).
+
+    logits: (..., V); tokens: (...) integer ids in [0, V). Returns (...) in float32 (float64 for float64
+    logits). Written as ((sum_{v!=y} e_v)^2 + sum_{v!=y} e_v^2) / (sum_v e_v)^2 with e = exp(z/T - max):
+    only sums of positive terms, so it is never negative and keeps its relative accuracy for confident
+    tokens, where the textbook 1 - 2 pi_y + sum pi^2 cancels catastrophically.
+    """
+    _check_logits(logits, temperature)
+    if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex():
+        raise ValueError("tokens: expected an integer tensor")
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(f"tokens: shape {tuple(tokens.shape)} does not match logits {tuple(logits.shape)}[:-1]")
+    vocab = logits.shape[-1]
+    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab):
+        raise ValueError(f"tokens: ids must lie in [0, {vocab})")
+    dtype = _compute_dtype(logits.dtype)
+    flat = logits.reshape(-1, vocab)
+    ids = tokens.reshape(-1, 1).to(device=logits.device, dtype=torch.long)
+    out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
+    step = _rows_per_chunk(vocab)
+    for start in range(0, flat.shape[0], step):
+        e = _scaled_tile(flat[start : start + step], temperature, dtype)
+        y = ids[start : start + step]
+        e_y = e.gather(-1, y).squeeze(-1)
+        e.scatter_(-1, y, 0.0)  # e now holds only the tokens that were not sampled
+        s1_other = e.sum(dim=-1)
+        s2_other = torch.linalg.vecdot(e, e)
+        s1 = s1_other + e_y
+        out[start : start + step] = (s1_other * s1_other + s2_other) / (s1 * s1)
+    return out.reshape(tokens.shape)
+
+
+def token_energy_from_logprobs(logprobs: torch.Tensor, sum_pi_sq: torch.Tensor) -> torch.Tensor:
+    """Energy from per-token statistics only: (1 - pi_y)^2 + (sum pi^2 - pi_y^2), clamped at 0.
+
+    logprobs, sum_pi_sq: (...) with the same shape. Returns (...) in float32 (float64 if either is).
+    (1 - pi_y)^2 is taken through expm1, which is exact for confident tokens; the remaining difference
+    still cancels when pi_y dominates, so the clamp removes the rounding that would make it negative.
+    Prefer `token_energy` when the logits are at hand.
+    """
+    for name, t in (("logprobs", logprobs), ("sum_pi_sq", sum_pi_sq)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name}: contains NaN or inf")
+    if logprobs.shape != sum_pi_sq.shape:
+        raise ValueError(
+            f"sum_pi_sq: shape {tuple(sum_pi_sq.shape)} does not match logprobs {tuple(logprobs.shape)}"
+        )
+    dtype = torch.promote_types(_compute_dtype(logprobs.dtype), _compute_dtype(sum_pi_sq.dtype))
+    lp = logprobs.to(dtype).clamp(max=0.0)
+    w = torch.expm1(lp).square() + (sum_pi_sq.to(dtype) - torch.exp(2.0 * lp))
+    return w.clamp_(min=0.0)
+
+
+def realized_energy(energy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Realized energy W_t = sum_{j<=t} w_j m_j: cumulative over policy tokens, carried through the rest.
+
+    energy, mask: (B, T). Values of `energy` where mask == 0 are never read. Returns (B, T) in float64.
+    """
+    if energy.shape != mask.shape:
+        raise ValueError(f"energy: shape {tuple(energy.shape)} does not match mask {tuple(mask.shape)}")
+    keep = mask.bool()
+    return torch.where(keep, energy.to(torch.float64), 0.0).cumsum(dim=-1)

@@ -1,0 +1,248 @@
+"""Advantage estimators behind one contract, a registry, and `compute_advantages`.
+
+An estimator takes a validated `Rollouts` batch plus keyword options and returns float64 (B, T)
+advantages and baselines. Every estimator gives a group of one trajectory no baseline (A = G).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from otbrl.batch import Rollouts, check_token_values, make_rollouts
+from otbrl.groups import aligned_columns, from_frame, group_sums, to_frame
+
+EstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    name: str
+    fn: EstimatorFn
+    needs_energy: bool
+    options: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AdvantageResult:
+    """Output of `compute_advantages`; each field is (B, T) float32 and zero where mask == 0."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    baselines: torch.Tensor
+
+
+ESTIMATORS: dict[str, EstimatorSpec] = {}
+
+
+def register_estimator(name: str, *, needs_energy: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator: register `fn(batch: Rollouts, **options) -> (advantages, baselines)` under `name`.
+
+    Both outputs are (B, T) tensors; `compute_advantages` masks them and converts them to float32.
+    Set `needs_energy` when the estimator reads `batch.energy`.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty string, got {name!r}")
+
+    def decorate(fn: EstimatorFn) -> EstimatorFn:
+        if name in ESTIMATORS:
+            raise ValueError(f"name: an estimator called {name!r} is already registered")
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        options = tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_energy, options)
+        return fn
+
+    return decorate
+
+
+def compute_advantages(
+    estimator: str,
+    *,
+    rewards: Any,
+    mask: Any,
+    group_ids: Any,
+    energy: Any = None,
+    **options: Any,
+) -> AdvantageResult:
+    """Per-token advantages for a batch of grouped rollouts.
+
+    estimator: a name in `otbrl.ESTIMATORS` ("otb", "grpo", "dr_grpo", "rloo", "opo", "sob", ...).
+    rewards:   (B,) outcome rewards (placed on the last policy token) or (B, T) token rewards.
+    mask:      (B, T) 0/1, 1 where the policy generated the token.
+    group_ids: (B,) prompt identity: integer tensor, numpy array or sequence of hashables.
+    energy:    (B, T) per-token energy w_t >= 0 (e.g. `otbrl.token_energy`); required by "otb" and "sob".
+    options:   estimator keywords, e.g. otb's leave_one_out, align, zero_tail, is_weights, eps.
+    Returns an `AdvantageResult` of (B, T) float32 tensors, zero where mask == 0.
+    """
+    spec = ESTIMATORS.get(estimator) if isinstance(estimator, str) else None
+    if spec is None:
+        raise ValueError(f"estimator: unknown estimator {estimator!r}; known: {', '.join(sorted(ESTIMATORS))}")
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        accepted = ", ".join(spec.options) or "none"
+        raise ValueError(f"{unknown[0]}: not an option of estimator {estimator!r} (its options: {accepted})")
+    if spec.needs_energy and energy is None:
+        raise ValueError(f"energy: estimator {estimator!r} needs per-token energy (see otbrl.token_energy)")
+    batch = make_rollouts(rewards=rewards, mask=mask, group_ids=group_ids, energy=energy)
+    advantages, baselines = spec.fn(batch, **options)
+    keep = batch.mask
+    return AdvantageResult(
+        advantages=torch.where(keep, advantages, 0.0).float(),
+        returns=batch.returns.float(),
+        baselines=torch.where(keep, baselines, 0.0).float(),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sequence-level helpers: one scalar per trajectory, compared within its group.
+
+
+def _check_eps(eps: float) -> None:
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"eps: must be a number > 0, got {eps!r}")
+
+
+def _group_mean(x: torch.Tensor, batch: Rollouts) -> torch.Tensor:
+    """(B,) -> (B,) mean of x over each row's group."""
+    total = group_sums(x, batch.group, batch.n_groups)[batch.group]
+    return total / batch.group_sizes
+
+
+def _weighted_group_baseline(r: torch.Tensor, weight: torch.Tensor, batch: Rollouts, eps: float) -> torch.Tensor:
+    """(B,) self-inclusive weighted baseline sum(weight R) / sum(weight) per group; the plain mean where
+    the group's total weight is at most eps; 0 for groups of one."""
+    num = group_sums(weight * r, batch.group, batch.n_groups)[batch.group]
+    den = group_sums(weight, batch.group, batch.n_groups)[batch.group]
+    base = torch.where(den > eps, num / den.clamp_min(eps), _group_mean(r, batch))
+    return torch.where(batch.group_sizes > 1, base, 0.0)
+
+
+def _per_token(advantage: torch.Tensor, baseline: torch.Tensor, batch: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    keep = batch.mask
+    return torch.where(keep, advantage[:, None], 0.0), torch.where(keep, baseline[:, None], 0.0)
+
+
+@register_estimator("grpo")
+def grpo(batch: Rollouts, *, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO (Shao et al. 2024, DeepSeekMath): A = (R - mean_group R) / (std_group R + eps).
+
+    std is the unbiased (N - 1) group standard deviation; a group of one has mean 0 and std 1 (A = R).
+    The reported baseline is the group mean; the advantage is (G - B) / (std + eps), not G - B.
+    """
+    _check_eps(eps)
+    r = batch.outcome
+    mean = _group_mean(r, batch)
+    n = batch.group_sizes
+    sq = group_sums((r - mean) ** 2, batch.group, batch.n_groups)[batch.group]
+    std = torch.where(n > 1, (sq / (n - 1).clamp_min(1)).sqrt(), 1.0)
+    mean = torch.where(n > 1, mean, 0.0)
+    return _per_token((r - mean) / (std + eps), mean, batch)
+
+
+@register_estimator("dr_grpo")
+def dr_grpo(batch: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A = R - mean_group R."""
+    mean = torch.where(batch.group_sizes > 1, _group_mean(batch.outcome, batch), 0.0)
+    return _per_token(batch.outcome - mean, mean, batch)
+
+
+@register_estimator("rloo")
+def rloo(batch: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (Ahmadian et al. 2024; Kool et al. 2019): A = R - mean of the other N - 1 rewards in the group."""
+    r, n = batch.outcome, batch.group_sizes
+    others = group_sums(r, batch.group, batch.n_groups)[batch.group] - r
+    base = torch.where(n > 1, others / (n - 1).clamp_min(1), 0.0)
+    return _per_token(r - base, base, batch)
+
+
+@register_estimator("opo")
+def opo(batch: Rollouts, *, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025, arXiv 2505.23585): length-weighted baseline b = sum L_i R_i / sum L_i,
+    L = number of policy tokens (the optimal baseline when ||S||^2 is proportional to length)."""
+    _check_eps(eps)
+    base = _weighted_group_baseline(batch.outcome, batch.lengths, batch, eps)
+    return _per_token(batch.outcome - base, base, batch)
+
+
+@register_estimator("sob", needs_energy=True)
+def sob(batch: Rollouts, *, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence-level optimal baseline: b = sum W(tau_i) R_i / sum W(tau_i), W(tau) = sum_t w_t the
+    trajectory's total proxy energy (Weaver & Tao 2001 with the Logit-Gradient Proxy for ||S||^2)."""
+    _check_eps(eps)
+    base = _weighted_group_baseline(batch.outcome, batch.energy.sum(dim=-1), batch, eps)
+    return _per_token(batch.outcome - base, base, batch)
+
+
+@register_estimator("reinforce_pp_baseline")
+def reinforce_pp_baseline(batch: Rollouts, *, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (Hu et al. 2025): A = R - group mean, then whitened over all policy tokens of
+    the batch: (A - mean) / sqrt(var + eps), var unbiased. A group of one has no group baseline but is
+    still whitened with the batch."""
+    _check_eps(eps)
+    adv, base = dr_grpo(batch)
+    keep = batch.mask
+    count = keep.sum()
+    if count == 0:
+        return adv, base
+    mean = adv.sum() / count
+    var = torch.where(keep, adv - mean, 0.0).square().sum() / (count - 1).clamp_min(1)
+    return torch.where(keep, (adv - mean) / torch.sqrt(var + eps), 0.0), base
+
+
+@register_estimator("otb", needs_energy=True)
+def otb(
+    batch: Rollouts,
+    *,
+    leave_one_out: bool = False,
+    align: str = "position",
+    zero_tail: bool = True,
+    is_weights: Any = None,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal Token Baseline (Li et al. 2026, arXiv 2602.07078).
+
+    W_t = sum_{j<=t} w_j m_j (times rho_j^2 with importance weights), and within a group, over the
+    trajectories active at aligned column t:  B_t = sum_i G_t W_t / sum_i W_t,  A_t = G_t - B_t.
+
+    leave_one_out: B_t^(i) sums over the other trajectories only (unbiased for i.i.d. samples; also
+        removes the need for zero_tail). Default False = the paper's self-inclusive form.
+    align: "position" (absolute response position, single-turn) or "generated" (k-th policy token,
+        for multi-turn masks with tool tokens).
+    zero_tail: self-inclusive only: where a trajectory is the only active one of its group (the tail of a
+        uniquely longest response), its baseline is 0 instead of itself. On left-aligned contiguous
+        masks this is exactly the authors' handle_zero_tail rule.
+    is_weights: (B, T) truncated importance weights rho_t >= 0; the energy becomes w_t rho_t^2.
+    eps: where the summed energy is <= eps the weighted ratio is noise; use the plain mean of the active
+        returns there instead.
+    """
+    _check_eps(eps)
+    keep = batch.mask
+    w = batch.energy
+    if is_weights is not None:
+        rho = check_token_values("is_weights", is_weights, keep, nonnegative=True)
+        w = w * rho.square()
+    realized = w.cumsum(dim=-1)  # carried unchanged through mask == 0 tokens
+    active = keep.to(torch.float64)
+    g = batch.returns
+    # Channels summed per (group, column): sum G W, sum W, sum G (for the fallback), active count.
+    own = torch.stack((g * realized, realized * active, g, active))
+    columns, width = aligned_columns(keep, align)
+    table = group_sums(to_frame(own, columns, width), batch.group, batch.n_groups, dim=1)
+    total = from_frame(table.index_select(1, batch.group), columns)
+    if leave_one_out:
+        total = total - own
+    num, den, g_sum, count = total
+    weighted = num / den.clamp_min(eps)
+    mean = torch.where(count > 0.5, g_sum / count.clamp_min(1.0), 0.0)
+    base = torch.where(den > eps, weighted, mean)
+    if not leave_one_out:
+        alone = count < 1.5  # this trajectory is the only active one at its column
+        no_baseline = batch.group_sizes[:, None] == 1
+        if zero_tail:
+            no_baseline = no_baseline | alone
+        base = torch.where(no_baseline, 0.0, base)
+    return g - base, base

@@ -1,0 +1,88 @@
+"""Group bookkeeping for per-prompt baselines, without Python loops over rows or groups.
+
+Prompt ids become dense indices; per-token values are summed per (group, aligned column) with one
+`index_add_`, where a column is either the absolute response position or the k-th policy token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+ALIGNMENTS = ("position", "generated")
+
+
+def dense_group_index(group_ids: Any, batch_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
+    """Map prompt identities to dense indices 0..G-1.
+
+    group_ids: (B,) integer tensor, numpy array (numbers or strings, as verl's uid arrays) or any sequence
+    of hashables. Returns (index (B,) long on `device`, G). Equal ids share an index; order is irrelevant.
+    """
+    if isinstance(group_ids, torch.Tensor):
+        if group_ids.dim() != 1 or group_ids.is_floating_point() or group_ids.is_complex():
+            raise ValueError(f"group_ids: expected a 1-D integer tensor, got {group_ids.dtype} {tuple(group_ids.shape)}")
+        ids, index = torch.unique(group_ids, return_inverse=True)
+        size = group_ids.shape[0]
+    elif isinstance(group_ids, np.ndarray) and group_ids.dtype != object:
+        if group_ids.ndim != 1:
+            raise ValueError(f"group_ids: expected a 1-D array, got shape {group_ids.shape}")
+        ids, inverse = np.unique(group_ids, return_inverse=True)
+        index, size = torch.from_numpy(inverse.reshape(-1).astype(np.int64)), group_ids.shape[0]
+    elif isinstance(group_ids, (Sequence, np.ndarray)) and not isinstance(group_ids, (str, bytes)):
+        seen: dict[Any, int] = {}
+        try:
+            index = torch.tensor([seen.setdefault(g, len(seen)) for g in group_ids], dtype=torch.long)
+        except TypeError as err:
+            raise ValueError(f"group_ids: every id must be hashable ({err})") from None
+        ids, size = seen, len(group_ids)
+    else:
+        raise ValueError(f"group_ids: expected a tensor, array or sequence of ids, got {type(group_ids).__name__}")
+    if size != batch_size:
+        raise ValueError(f"group_ids: length {size} does not match the batch size {batch_size}")
+    return index.to(device=device, dtype=torch.long), len(ids)
+
+
+def aligned_columns(mask: torch.Tensor, align: str) -> tuple[torch.Tensor, int]:
+    """Column of every token in the frame where trajectories of a group are compared.
+
+    mask: (B, T) bool. "position": column t (absolute response position). "generated": the k-th policy
+    token of its row gets column k - 1, so tool tokens between turns do not shift the alignment.
+    Returns (columns (B, T) long, width); tokens with mask == 0 point to the spare column `width - 1`
+    in "generated" mode, which no policy token uses.
+    """
+    if align not in ALIGNMENTS:
+        raise ValueError(f"align: expected one of {ALIGNMENTS}, got {align!r}")
+    rows, length = mask.shape
+    if align == "position":
+        return torch.arange(length, device=mask.device).expand(rows, length), length
+    rank = mask.long().cumsum(dim=-1) - 1
+    return torch.where(mask, rank, length), length + 1
+
+
+def group_sums(values: torch.Tensor, group: torch.Tensor, n_groups: int, dim: int = 0) -> torch.Tensor:
+    """Sum the entries that share a group along `dim`: size B there becomes G."""
+    shape = list(values.shape)
+    shape[dim] = n_groups
+    return values.new_zeros(shape).index_add_(dim, group, values)
+
+
+def to_frame(values: torch.Tensor, columns: torch.Tensor, width: int) -> torch.Tensor:
+    """Move each row's tokens to their aligned columns: (..., B, T) -> (..., B, width).
+
+    Masked tokens must hold zeros: in "generated" mode they all land in the spare column, which is
+    summed and never read back.
+    """
+    if width == values.shape[-1]:  # position alignment: the frame is the tensor itself
+        return values
+    out = values.new_zeros((*values.shape[:-1], width))
+    return out.scatter_add_(-1, columns.expand_as(values), values)
+
+
+def from_frame(framed: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Read each token's value back from its aligned column: (..., B, width) -> (..., B, T)."""
+    if framed.shape[-1] == columns.shape[-1]:
+        return framed
+    return framed.gather(-1, columns.expand((*framed.shape[:-1], columns.shape[-1])))
