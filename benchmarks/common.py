@@ -1,0 +1,75 @@
+"""Shared by the benchmark scripts: peak memory and median time of one call in a fresh process,
+machine description, and markdown tables.
+
+Peak memory is read from /proc (Linux only): VmHWM after the call minus VmRSS just before it, with the
+high-water mark reset by writing "5" to /proc/self/clear_refs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # the kernel reports kB
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def measure(call: Callable[[], Any], budget_s: float, min_repeats: int, max_repeats: int) -> dict[str, Any]:
+    """Peak extra memory of the first call (which also serves as warm-up), then the median time of
+    k further calls, k chosen so the timing takes about budget_s. Returns peak_mib, ms, repeats, out."""
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current VmRSS
+    before = _status_mib("VmRSS")
+    start = time.perf_counter()
+    out = call()
+    first = time.perf_counter() - start
+    peak = _status_mib("VmHWM") - before
+    repeats = max(min_repeats, min(max_repeats, int(budget_s / first)))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = call()
+        times.append(time.perf_counter() - start)
+    return {"peak_mib": peak, "ms": 1e3 * statistics.median(times), "repeats": repeats, "out": out}
+
+
+def in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) in a newly spawned interpreter, so no allocator state or earlier peak leaks into it.
+    fn must be a module-level function and its result picklable."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def machine(threads: int) -> str:
+    cpu = platform.processor() or platform.machine()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{cpu}, {os.cpu_count()} CPUs, {mem_gib:.0f} GiB RAM; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, torch threads {threads} (the default)"
+    )
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table padded to aligned columns, so it also reads well when printed."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
