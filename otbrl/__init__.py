@@ -7,7 +7,11 @@ advantage estimators (`otbrl.estimators`), forward-only diagnostics and an exact
 from otbrl.energy import realized_energy, sum_pi_squared, token_energy, token_energy_from_logprobs
 from otbrl.estimators import ESTIMATORS, AdvantageResult, compute_advantages, register_estimator
 
+from otbrl import diagnostics, exact  # isort: skip  (exact registers the "otb_exact" estimator)
+
 __all__ = [
+    "diagnostics",
+    "exact",
     "ESTIMATORS",
     "AdvantageResult",
     "compute_advantages",

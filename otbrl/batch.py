@@ -65,12 +65,16 @@ def check_mask(mask: Any) -> torch.Tensor:
     return mask
 
 
-def check_token_values(name: str, value: Any, mask: torch.Tensor, *, nonnegative: bool = False) -> torch.Tensor:
+def check_token_values(
+    name: str, value: Any, mask: torch.Tensor, *, nonnegative: bool = False
+) -> torch.Tensor:
     """A (B, T) per-token float tensor, read only where mask is True -> float64, zero elsewhere."""
     t = _as_tensor(name, value, mask.device)
     if t.shape != mask.shape:
         raise ValueError(f"{name}: shape {tuple(t.shape)} does not match mask {tuple(mask.shape)}")
-    if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)):
+    if not (
+        t.is_floating_point() or t.dtype in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+    ):
         raise ValueError(f"{name}: expected a real-valued tensor, got {t.dtype}")
     t = torch.where(mask, t.to(torch.float64), 0.0)
     if not torch.isfinite(t).all():
@@ -98,13 +102,15 @@ def check_rewards(rewards: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch
         # The outcome reward sits on the last policy token, so every policy token's reward-to-go is R.
         return torch.where(mask, r[:, None], 0.0), r
     if r.shape != mask.shape:
-        raise ValueError(f"rewards: expected shape (B,) or (B, T) = {tuple(mask.shape)}, got {tuple(r.shape)}")
+        raise ValueError(
+            f"rewards: expected shape (B,) or (B, T) = {tuple(mask.shape)}, got {tuple(r.shape)}"
+        )
     lost = (r != 0) & ~mask
     if lost.any():
         row, col = (int(i) for i in lost.nonzero()[0])
         raise ValueError(
-            f"rewards: {int(lost.sum())} nonzero token reward(s) sit on mask == 0 positions (first at row {row}, "
-            f"position {col}) and would be dropped; put an outcome reward on the last policy token"
+            f"rewards: {int(lost.sum())} nonzero token reward(s) sit on mask == 0 positions (first at row "
+            f"{row}, position {col}) and would be dropped; put an outcome reward on the last policy token"
         )
     returns = r.flip(-1).cumsum(-1).flip(-1)
     return torch.where(mask, returns, 0.0), r.sum(dim=-1)

@@ -80,7 +80,9 @@ def token_energy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float 
     if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex():
         raise ValueError("tokens: expected an integer tensor")
     if tokens.shape != logits.shape[:-1]:
-        raise ValueError(f"tokens: shape {tuple(tokens.shape)} does not match logits {tuple(logits.shape)}[:-1]")
+        raise ValueError(
+            f"tokens: shape {tuple(tokens.shape)} does not match logits {tuple(logits.shape)}[:-1]"
+        )
     vocab = logits.shape[-1]
     if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab):
         raise ValueError(f"tokens: ids must lie in [0, {vocab})")

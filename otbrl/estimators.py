@@ -39,11 +39,14 @@ class AdvantageResult:
 ESTIMATORS: dict[str, EstimatorSpec] = {}
 
 
-def register_estimator(name: str, *, needs_energy: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
+def register_estimator(
+    name: str, *, needs_energy: bool = False, options: tuple[str, ...] | None = None
+) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator: register `fn(batch: Rollouts, **options) -> (advantages, baselines)` under `name`.
 
     Both outputs are (B, T) tensors; `compute_advantages` masks them and converts them to float32.
-    Set `needs_energy` when the estimator reads `batch.energy`.
+    Set `needs_energy` when the estimator reads `batch.energy`. The accepted option names are fn's
+    keyword-only parameters, unless `options` lists them (for an fn that forwards **kwargs).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name: expected a non-empty string, got {name!r}")
@@ -52,8 +55,8 @@ def register_estimator(name: str, *, needs_energy: bool = False) -> Callable[[Es
         if name in ESTIMATORS:
             raise ValueError(f"name: an estimator called {name!r} is already registered")
         params = list(inspect.signature(fn).parameters.values())[1:]
-        options = tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
-        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_energy, options)
+        names = options or tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_energy, tuple(names))
         return fn
 
     return decorate
@@ -80,7 +83,9 @@ def compute_advantages(
     """
     spec = ESTIMATORS.get(estimator) if isinstance(estimator, str) else None
     if spec is None:
-        raise ValueError(f"estimator: unknown estimator {estimator!r}; known: {', '.join(sorted(ESTIMATORS))}")
+        raise ValueError(
+            f"estimator: unknown estimator {estimator!r}; known: {', '.join(sorted(ESTIMATORS))}"
+        )
     unknown = sorted(set(options) - set(spec.options))
     if unknown:
         accepted = ", ".join(spec.options) or "none"
@@ -112,7 +117,9 @@ def _group_mean(x: torch.Tensor, batch: Rollouts) -> torch.Tensor:
     return total / batch.group_sizes
 
 
-def _weighted_group_baseline(r: torch.Tensor, weight: torch.Tensor, batch: Rollouts, eps: float) -> torch.Tensor:
+def _weighted_group_baseline(
+    r: torch.Tensor, weight: torch.Tensor, batch: Rollouts, eps: float
+) -> torch.Tensor:
     """(B,) self-inclusive weighted baseline sum(weight R) / sum(weight) per group; the plain mean where
     the group's total weight is at most eps; 0 for groups of one."""
     num = group_sums(weight * r, batch.group, batch.n_groups)[batch.group]
@@ -121,7 +128,9 @@ def _weighted_group_baseline(r: torch.Tensor, weight: torch.Tensor, batch: Rollo
     return torch.where(batch.group_sizes > 1, base, 0.0)
 
 
-def _per_token(advantage: torch.Tensor, baseline: torch.Tensor, batch: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_token(
+    advantage: torch.Tensor, baseline: torch.Tensor, batch: Rollouts
+) -> tuple[torch.Tensor, torch.Tensor]:
     keep = batch.mask
     return torch.where(keep, advantage[:, None], 0.0), torch.where(keep, baseline[:, None], 0.0)
 

@@ -15,7 +15,9 @@ import torch
 ALIGNMENTS = ("position", "generated")
 
 
-def dense_group_index(group_ids: Any, batch_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
+def dense_group_index(
+    group_ids: Any, batch_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, int]:
     """Map prompt identities to dense indices 0..G-1.
 
     group_ids: (B,) integer tensor, numpy array (numbers or strings, as verl's uid arrays) or any sequence
@@ -23,7 +25,9 @@ def dense_group_index(group_ids: Any, batch_size: int, device: torch.device | st
     """
     if isinstance(group_ids, torch.Tensor):
         if group_ids.dim() != 1 or group_ids.is_floating_point() or group_ids.is_complex():
-            raise ValueError(f"group_ids: expected a 1-D integer tensor, got {group_ids.dtype} {tuple(group_ids.shape)}")
+            raise ValueError(
+                f"group_ids: expected a 1-D integer tensor, got {group_ids.dtype} {tuple(group_ids.shape)}"
+            )
         ids, index = torch.unique(group_ids, return_inverse=True)
         size = group_ids.shape[0]
     elif isinstance(group_ids, np.ndarray) and group_ids.dtype != object:
@@ -39,7 +43,9 @@ def dense_group_index(group_ids: Any, batch_size: int, device: torch.device | st
             raise ValueError(f"group_ids: every id must be hashable ({err})") from None
         ids, size = seen, len(group_ids)
     else:
-        raise ValueError(f"group_ids: expected a tensor, array or sequence of ids, got {type(group_ids).__name__}")
+        raise ValueError(
+            f"group_ids: expected a tensor, array or sequence of ids, got {type(group_ids).__name__}"
+        )
     if size != batch_size:
         raise ValueError(f"group_ids: length {size} does not match the batch size {batch_size}")
     return index.to(device=device, dtype=torch.long), len(ids)

@@ -101,7 +101,7 @@ def sequence_ref(name: str, rewards, mask, group_ids, energy=None, eps: float = 
                 else:
                     wts = [float((energy[j] * mask[j]).sum()) for j in idx]
                 den = sum(wts)
-                base = sum(wt * r[j] for wt, j in zip(wts, idx)) / den if den > 1e-8 else mean
+                base = sum(wt * r[j] for wt, j in zip(wts, idx, strict=True)) / den if den > 1e-8 else mean
                 scale = 1.0
             else:
                 raise KeyError(name)

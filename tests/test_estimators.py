@@ -29,7 +29,9 @@ def test_sequence_estimators_match_reference(name, token_rewards, seed):
     eps = 1e-6 if name == "grpo" else 1e-8
     ref = sequence_ref(name, batch["rewards"], batch["mask"], batch["group_ids"], batch["energy"], eps=eps)
     torch.testing.assert_close(res.advantages.double(), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(res.returns.double(), returns_ref(batch["rewards"], batch["mask"]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        res.returns.double(), returns_ref(batch["rewards"], batch["mask"]), rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("leave_one_out", [False, True])
@@ -48,7 +50,10 @@ def test_otb_matches_reference(leave_one_out, align, zero_tail, seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_otb_importance_weights_scale_energy(seed):
     batch = random_batch(seed, [3, 4], 8, contiguous=False)
-    rho = torch.rand(batch["mask"].shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+    rho = (
+        torch.rand(batch["mask"].shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        * 2
+    )
     res = run("otb", batch, is_weights=rho, align="generated")
     adv, _ = otb_ref(**batch, is_weights=rho, align="generated")
     torch.testing.assert_close(res.advantages.double(), adv, rtol=1e-5, atol=1e-5)
@@ -93,7 +98,9 @@ def test_zero_tail_gives_longest_response_its_return():
 def test_high_energy_trajectory_pulls_baseline_toward_its_return():
     mask = torch.ones(2, 3)
     energy = torch.tensor([[1.5, 1.5, 1.5], [0.01, 0.01, 0.01]])
-    res = otbrl.compute_advantages("otb", rewards=torch.tensor([0.0, 1.0]), mask=mask, group_ids=[7, 7], energy=energy)
+    res = otbrl.compute_advantages(
+        "otb", rewards=torch.tensor([0.0, 1.0]), mask=mask, group_ids=[7, 7], energy=energy
+    )
     assert (res.baselines < 0.05).all()  # dominated by the high-energy trajectory's return 0
     expected = 0.03 / 4.53  # at t = 2: (0 * 4.5 + 1 * 0.03) / (4.5 + 0.03)
     assert res.baselines[0, 2].item() == pytest.approx(expected, rel=1e-6)
@@ -128,14 +135,21 @@ def test_permuting_rows_permutes_outputs(name, loo, seed, sizes, length, contigu
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=estimator_names, extra=st.integers(1, 4), align=st.sampled_from(["position", "generated"]), **batch_params)
+@given(
+    name=estimator_names,
+    extra=st.integers(1, 4),
+    align=st.sampled_from(["position", "generated"]),
+    **batch_params,
+)
 def test_extra_padding_changes_nothing(name, extra, align, seed, sizes, length, contiguous):
     batch = random_batch(seed, sizes, length, contiguous=contiguous)
     opts = {"align": align} if name == "otb" else {}
     rows = batch["mask"].shape[0]
     padded = dict(batch)
     padded["mask"] = torch.cat([batch["mask"], torch.zeros(rows, extra, dtype=torch.float64)], dim=1)
-    padded["energy"] = torch.cat([batch["energy"], torch.full((rows, extra), 3.0, dtype=torch.float64)], dim=1)
+    padded["energy"] = torch.cat(
+        [batch["energy"], torch.full((rows, extra), 3.0, dtype=torch.float64)], dim=1
+    )
     a, b = run(name, batch, **opts), run(name, padded, **opts)
     torch.testing.assert_close(b.advantages[:, :length], a.advantages)
     assert (b.advantages[:, length:] == 0).all() and (b.baselines[:, length:] == 0).all()
@@ -168,13 +182,21 @@ def test_constant_energy_gives_mean_of_active_returns(c, loo, seed, sizes, lengt
         for t in range(length):
             if not mask[i, t]:
                 continue
-            pool = [(j, s) for j in peers if not (loo and j == i) for s in range(length) if mask[j, s] and k[j, s] == k[i, t]]
+            pool = [
+                (j, s)
+                for j in peers
+                if not (loo and j == i)
+                for s in range(length)
+                if mask[j, s] and k[j, s] == k[i, t]
+            ]
             expected = sum(float(g[j, s]) for j, s in pool) / len(pool) if pool else 0.0
             if not loo and len(peers) == 1:
                 expected = 0.0
             assert res.baselines[i, t].item() == pytest.approx(expected, abs=1e-5)
     # Scale invariance: any constant gives the same baselines as 1.
-    torch.testing.assert_close(res.baselines, run("otb", ones, align="generated", leave_one_out=loo, zero_tail=False).baselines)
+    torch.testing.assert_close(
+        res.baselines, run("otb", ones, align="generated", leave_one_out=loo, zero_tail=False).baselines
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -182,7 +204,9 @@ def test_constant_energy_gives_mean_of_active_returns(c, loo, seed, sizes, lengt
 def test_otb_is_invariant_to_energy_scale(scale, seed, sizes, length, contiguous):
     batch = random_batch(seed, sizes, length, contiguous=contiguous)
     scaled = dict(batch, energy=batch["energy"] * scale)
-    torch.testing.assert_close(run("otb", batch).advantages, run("otb", scaled).advantages, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        run("otb", batch).advantages, run("otb", scaled).advantages, rtol=1e-5, atol=1e-5
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -196,9 +220,16 @@ def test_groups_of_one_get_no_baseline(name, seed, sizes, length, contiguous):
 
 
 @settings(max_examples=60, deadline=None)
-@given(loo=st.booleans(), zero_tail=st.booleans(), seed=batch_params["seed"], sizes=batch_params["sizes"],
-       length=batch_params["length"])
-def test_generated_alignment_equals_position_alignment_on_contiguous_masks(loo, zero_tail, seed, sizes, length):
+@given(
+    loo=st.booleans(),
+    zero_tail=st.booleans(),
+    seed=batch_params["seed"],
+    sizes=batch_params["sizes"],
+    length=batch_params["length"],
+)
+def test_generated_alignment_equals_position_alignment_on_contiguous_masks(
+    loo, zero_tail, seed, sizes, length
+):
     batch = random_batch(seed, sizes, length, contiguous=True)
     opts = dict(leave_one_out=loo, zero_tail=zero_tail)
     a = run("otb", batch, align="position", **opts)
@@ -210,7 +241,9 @@ def test_generated_alignment_equals_position_alignment_on_contiguous_masks(loo, 
 @given(**batch_params)
 def test_self_inclusive_baseline_is_a_convex_combination(seed, sizes, length, contiguous):
     batch = random_batch(seed, sizes, length, contiguous=contiguous)
-    batch["energy"] = batch["energy"] * torch.rand(1, generator=torch.Generator().manual_seed(seed)).item() ** 8
+    batch["energy"] = (
+        batch["energy"] * torch.rand(1, generator=torch.Generator().manual_seed(seed)).item() ** 8
+    )
     res = run("otb", batch, align="generated", zero_tail=False)
     g = returns_ref(batch["rewards"], batch["mask"])
     mask = batch["mask"].bool()
@@ -231,11 +264,18 @@ def test_empty_responses_and_all_masked_batch():
     mask = torch.zeros(4, 5)
     for name in otbrl.ESTIMATORS:
         res = otbrl.compute_advantages(
-            name, rewards=torch.tensor([1.0, 0, 1, 0]), mask=mask, group_ids=[0, 0, 1, 1], energy=torch.ones(4, 5)
+            name,
+            rewards=torch.tensor([1.0, 0, 1, 0]),
+            mask=mask,
+            group_ids=[0, 0, 1, 1],
+            energy=torch.ones(4, 5),
         )
         assert (res.advantages == 0).all() and (res.returns == 0).all()
     empty = otbrl.compute_advantages(
-        "otb", rewards=torch.zeros(0), mask=torch.zeros(0, 3), group_ids=torch.zeros(0, dtype=torch.long),
+        "otb",
+        rewards=torch.zeros(0),
+        mask=torch.zeros(0, 3),
+        group_ids=torch.zeros(0, dtype=torch.long),
         energy=torch.zeros(0, 3),
     )
     assert empty.advantages.shape == (0, 3)
@@ -254,7 +294,9 @@ def test_zero_energy_falls_back_to_mean_without_nan():
     )
     torch.testing.assert_close(res.baselines, torch.full((3, 4), 1 / 3))
     tiny = torch.rand(3, 4, generator=torch.Generator().manual_seed(0)) * 1e-30
-    res = otbrl.compute_advantages("otb", rewards=torch.tensor([1.0, 0.0, 0.0]), mask=mask, group_ids=[0, 0, 0], energy=tiny)
+    res = otbrl.compute_advantages(
+        "otb", rewards=torch.tensor([1.0, 0.0, 0.0]), mask=mask, group_ids=[0, 0, 0], energy=tiny
+    )
     assert ((res.baselines >= 0) & (res.baselines <= 1)).all()  # never the ~18 of a noisy ratio
 
 
@@ -302,7 +344,9 @@ def test_register_estimator_extension_point():
         def zero(batch, *, scale: float = 1.0):
             return batch.returns * scale, torch.zeros_like(batch.returns)
 
-    res = otbrl.compute_advantages(name, rewards=torch.tensor([2.0]), mask=torch.ones(1, 2), group_ids=[0], scale=3.0)
+    res = otbrl.compute_advantages(
+        name, rewards=torch.tensor([2.0]), mask=torch.ones(1, 2), group_ids=[0], scale=3.0
+    )
     assert res.advantages.tolist() == [[6.0, 6.0]]
     with pytest.raises(ValueError, match="already registered"):
         otbrl.register_estimator(name)(lambda batch: None)
@@ -311,7 +355,9 @@ def test_register_estimator_extension_point():
 # ----------------------------------------------------------------------------------------------------
 # Bad input: a ValueError that names the argument.
 
-GOOD = dict(rewards=torch.tensor([1.0, 0.0]), mask=torch.ones(2, 3), group_ids=[0, 0], energy=torch.ones(2, 3))
+GOOD = dict(
+    rewards=torch.tensor([1.0, 0.0]), mask=torch.ones(2, 3), group_ids=[0, 0], energy=torch.ones(2, 3)
+)
 
 
 @pytest.mark.parametrize(
@@ -323,21 +369,40 @@ GOOD = dict(rewards=torch.tensor([1.0, 0.0]), mask=torch.ones(2, 3), group_ids=[
         ({"rewards": torch.tensor([1.0, 0.0, 1.0])}, "otb", {}, r"rewards: length 3"),
         ({"rewards": torch.ones(2, 4)}, "otb", {}, r"rewards: expected shape"),
         ({"rewards": torch.tensor([float("nan"), 0.0])}, "grpo", {}, r"rewards: contain NaN"),
-        ({"rewards": torch.tensor([[0.0, 0, 0], [0, 0, 1]]), "mask": torch.tensor([[1, 1, 1], [1, 1, 0]])},
-         "otb", {}, r"rewards: 1 nonzero token reward.*row 1, position 2"),
+        (
+            {"rewards": torch.tensor([[0.0, 0, 0], [0, 0, 1]]), "mask": torch.tensor([[1, 1, 1], [1, 1, 0]])},
+            "otb",
+            {},
+            r"rewards: 1 nonzero token reward.*row 1, position 2",
+        ),
         ({"mask": torch.full((2, 3), 2.0)}, "otb", {}, r"mask: values must be 0 or 1"),
         ({"mask": torch.ones(2, 3, 1)}, "otb", {}, r"mask: expected shape \(B, T\)"),
         ({"group_ids": [0, 0, 1]}, "otb", {}, r"group_ids: length 3"),
         ({"group_ids": torch.tensor([0.0, 0.0])}, "otb", {}, r"group_ids: expected a 1-D integer"),
         ({"group_ids": [[0], [1]]}, "otb", {}, r"group_ids: every id must be hashable"),
         ({"energy": torch.ones(2, 4)}, "otb", {}, r"energy: shape"),
-        ({"energy": torch.tensor([[1.0, float("inf"), 1], [1, 1, 1]])}, "otb", {}, r"energy: contains NaN or inf"),
-        ({"energy": torch.tensor([[1.0, -1e-4, 1], [1, 1, 1]])}, "otb", {}, r"energy: must be >= 0.*token_energy_from_logprobs"),
+        (
+            {"energy": torch.tensor([[1.0, float("inf"), 1], [1, 1, 1]])},
+            "otb",
+            {},
+            r"energy: contains NaN or inf",
+        ),
+        (
+            {"energy": torch.tensor([[1.0, -1e-4, 1], [1, 1, 1]])},
+            "otb",
+            {},
+            r"energy: must be >= 0.*token_energy_from_logprobs",
+        ),
         ({}, "otb", {"align": "turn"}, r"align: expected one of"),
         ({}, "otb", {"eps": 0.0}, r"eps: must be"),
         ({}, "otb", {"is_weights": -torch.ones(2, 3)}, r"is_weights: must be >= 0"),
         ({}, "otb", {"is_weights": torch.ones(3)}, r"is_weights: shape"),
-        ({}, "otb", {"leave_one_ot": True}, r"leave_one_ot: not an option of estimator 'otb' \(its options: leave_one_out"),
+        (
+            {},
+            "otb",
+            {"leave_one_ot": True},
+            r"leave_one_ot: not an option of estimator 'otb' \(its options: leave_one_out",
+        ),
         ({}, "grpo", {"align": "position"}, r"align: not an option of estimator 'grpo'"),
     ],
 )
@@ -349,5 +414,7 @@ def test_bad_input_names_the_argument(change, estimator, options, match):
 def test_values_at_masked_positions_are_never_read():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     energy = torch.tensor([[1.0, 1.0, float("nan")], [1.0, -5.0, float("inf")]])
-    res = otbrl.compute_advantages("otb", rewards=torch.tensor([1.0, 0.0]), mask=mask, group_ids=[0, 0], energy=energy)
+    res = otbrl.compute_advantages(
+        "otb", rewards=torch.tensor([1.0, 0.0]), mask=mask, group_ids=[0, 0], energy=energy
+    )
     assert torch.isfinite(res.advantages).all()
