@@ -60,7 +60,8 @@ def machine(threads: int) -> str:
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (
         f"{cpu}, {os.cpu_count()} CPUs, {mem_gib:.0f} GiB RAM; Python {platform.python_version()}, "
-        f"torch {torch.__version__}, torch threads {threads} (the default)"
+        f"torch {torch.__version__}, torch threads {threads} (the default); 1-minute load average "
+        f"{os.getloadavg()[0]:.2f} when written (other work on the machine slows every column)"
     )
 
 

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from otbrl.batch import check_mask, check_token_values
+
 # Elements of one float32 working tile (64 MiB). Peak extra memory is a small multiple of this,
 # independent of the number of rows.
 CHUNK_ELEMENTS = 1 << 24
@@ -24,7 +26,9 @@ def _check_logits(logits: torch.Tensor, temperature: float) -> None:
         raise ValueError("logits: expected a floating-point tensor of shape (..., V)")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+    if isinstance(temperature, bool) or not (
+        isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
+    ):
         raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
 
 
@@ -104,12 +108,13 @@ def token_energy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float 
 
 
 def token_energy_from_logprobs(logprobs: torch.Tensor, sum_pi_sq: torch.Tensor) -> torch.Tensor:
-    """Energy from per-token statistics only: (1 - pi_y)^2 + (sum pi^2 - pi_y^2), clamped at 0.
+    """Energy from per-token statistics only: (1 - pi_y)^2 + (sum pi^2 - pi_y^2), never negative.
 
     logprobs, sum_pi_sq: (...) with the same shape. Returns (...) in float32 (float64 if either is).
-    (1 - pi_y)^2 is taken through expm1, which is exact for confident tokens; the remaining difference
-    still cancels when pi_y dominates, so the clamp removes the rounding that would make it negative.
-    Prefer `token_energy` when the logits are at hand.
+    (1 - pi_y)^2 is taken through expm1, exact for confident tokens. The rest, sum_{v != y} pi_v^2,
+    cancels when pi_y dominates; since it lies in [0, (1 - pi_y)^2] (a sum of squares is at most the
+    square of the sum) it is clamped to that range, which bounds the result's relative error where the
+    plain textbook formula returns 0 or garbage. Prefer `token_energy` when the logits are at hand.
     """
     for name, t in (("logprobs", logprobs), ("sum_pi_sq", sum_pi_sq)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -122,8 +127,9 @@ def token_energy_from_logprobs(logprobs: torch.Tensor, sum_pi_sq: torch.Tensor) 
         )
     dtype = torch.promote_types(_compute_dtype(logprobs.dtype), _compute_dtype(sum_pi_sq.dtype))
     lp = logprobs.to(dtype).clamp(max=0.0)
-    w = torch.expm1(lp).square() + (sum_pi_sq.to(dtype) - torch.exp(2.0 * lp))
-    return w.clamp_(min=0.0)
+    first = torch.expm1(lp).square()
+    rest = (sum_pi_sq.to(dtype) - torch.exp(2.0 * lp)).clamp(min=0.0)
+    return first + torch.minimum(rest, first)
 
 
 def realized_energy(energy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -131,7 +137,5 @@ def realized_energy(energy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
     energy, mask: (B, T). Values of `energy` where mask == 0 are never read. Returns (B, T) in float64.
     """
-    if energy.shape != mask.shape:
-        raise ValueError(f"energy: shape {tuple(energy.shape)} does not match mask {tuple(mask.shape)}")
-    keep = mask.bool()
-    return torch.where(keep, energy.to(torch.float64), 0.0).cumsum(dim=-1)
+    keep = check_mask(mask)
+    return check_token_values("energy", energy, keep, nonnegative=True).cumsum(dim=-1)
