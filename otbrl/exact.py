@@ -71,7 +71,8 @@ def score_sq_norms(
             ids, pos = input_ids[row], cols + offset
 
             def token_logprobs(p: dict, ids=ids, pos=pos) -> torch.Tensor:
-                logits = _logits(model, {**p, **frozen}, ids)[pos - 1].float() / temperature
+                logits = _logits(model, {**p, **frozen}, ids)[pos - 1]
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
                 return torch.log_softmax(logits, dim=-1).gather(-1, ids[pos][:, None]).squeeze(-1)
 
             if method == "vmap":

@@ -50,7 +50,9 @@ def test_toy_scores_match_autograd(policy):
 
 
 def test_sampler_and_exact_gradient_agree(policy):
-    stats = toy.gradient_study(policy, group_size=1, groups=20_000, seed=5, settings={"none": SETTINGS["none"]})
+    stats = toy.gradient_study(
+        policy, group_size=1, groups=20_000, seed=5, settings={"none": SETTINGS["none"]}
+    )
     assert stats["none"]["bias_z"] < 4.0
 
 
