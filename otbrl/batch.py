@@ -1,6 +1,6 @@
-"""Validation of a rollout batch and the float64 view of it that every estimator receives.
+"""Validation of a rollout batch and the clean view of it that every estimator receives.
 
-All checks on user input live here, so each estimator can assume clean, masked, float64 tensors.
+All checks on user input live here, so each estimator can assume finite, masked float tensors.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ class Rollouts:
     """A validated batch. B trajectories, T token positions, G prompt groups.
 
     mask:     (B, T) bool, True where the policy generated the token.
-    returns:  (B, T) float64 reward-to-go G_t = sum_{s>=t} r_s m_s, zero where mask is False.
-    outcome:  (B,) float64 total return of each trajectory (the reward for outcome-reward tasks).
+    returns:  (B, T) reward-to-go G_t = sum_{s>=t} r_s m_s, zero where mask is False.
+    outcome:  (B,) total return of each trajectory (the reward for outcome-reward tasks).
     group:    (B,) long dense group index in [0, G).
     n_groups: G.
-    energy:   (B, T) float64 per-token energy w_t (>= 0), zero where mask is False; None if not given.
+    energy:   (B, T) per-token energy w_t (>= 0), zero where mask is False; None if not given.
+    Float tensors are float32, or float64 when rewards or energy came in float64 (`dtype`).
     """
 
     mask: torch.Tensor
@@ -33,9 +34,13 @@ class Rollouts:
     energy: torch.Tensor | None
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.returns.dtype
+
+    @property
     def lengths(self) -> torch.Tensor:
-        """(B,) float64 number of policy tokens per trajectory."""
-        return self.mask.sum(dim=-1, dtype=torch.float64)
+        """(B,) number of policy tokens per trajectory, in `dtype`."""
+        return self.mask.sum(dim=-1, dtype=self.dtype)
 
     @property
     def group_sizes(self) -> torch.Tensor:
@@ -59,16 +64,39 @@ def check_mask(mask: Any) -> torch.Tensor:
     if mask.dim() != 2:
         raise ValueError(f"mask: expected shape (B, T), got {tuple(mask.shape)}")
     if mask.dtype != torch.bool:
-        if mask.is_complex() or not ((mask == 0) | (mask == 1)).all():
+        if mask.is_complex():
             raise ValueError("mask: values must be 0 or 1")
-        mask = mask != 0
+        keep = mask != 0
+        if (keep & (mask != 1)).any():
+            raise ValueError("mask: values must be 0 or 1")
+        mask = keep
     return mask
 
 
+def compute_dtype(*values: Any) -> torch.dtype:
+    """float64 if any given tensor is float64, else float32 (whatever lower precision came in)."""
+    wide = any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in values)
+    return torch.float64 if wide else torch.float32
+
+
+def _check_range(name: str, t: torch.Tensor, nonnegative: bool, where: str) -> None:
+    if t.numel() == 0:
+        return
+    low, high = torch.aminmax(t)  # one pass; both propagate NaN
+    if not (torch.isfinite(low) and torch.isfinite(high)):
+        raise ValueError(f"{name}: contains NaN or inf{where}")
+    if nonnegative and low < 0:
+        raise ValueError(
+            f"{name}: must be >= 0{where} (min {low.item():.3g}); if it comes from "
+            "1 - 2*pi + sum(pi^2), use otbrl.token_energy_from_logprobs, which clamps the rounding error"
+        )
+
+
 def check_token_values(
-    name: str, value: Any, mask: torch.Tensor, *, nonnegative: bool = False
+    name: str, value: Any, mask: torch.Tensor, *, nonnegative: bool = False, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """A (B, T) per-token float tensor, read only where mask is True -> float64, zero elsewhere."""
+    """A (B, T) per-token real tensor, read only where mask is True -> `dtype` (default: float32, or
+    float64 for float64 input), zero elsewhere."""
     t = _as_tensor(name, value, mask.device)
     if t.shape != mask.shape:
         raise ValueError(f"{name}: shape {tuple(t.shape)} does not match mask {tuple(mask.shape)}")
@@ -76,25 +104,20 @@ def check_token_values(
         t.is_floating_point() or t.dtype in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
     ):
         raise ValueError(f"{name}: expected a real-valued tensor, got {t.dtype}")
-    t = torch.where(mask, t.to(torch.float64), 0.0)
-    if not torch.isfinite(t).all():
-        raise ValueError(f"{name}: contains NaN or inf at policy tokens")
-    if nonnegative and (t < 0).any():
-        raise ValueError(
-            f"{name}: must be >= 0 at policy tokens (min {t.min().item():.3g}); if it comes from "
-            "1 - 2*pi + sum(pi^2), use otbrl.token_energy_from_logprobs, which clamps the rounding error"
-        )
+    t = torch.where(mask, t.to(dtype or compute_dtype(t)), 0.0)
+    _check_range(name, t, nonnegative, " at policy tokens")
     return t
 
 
-def check_rewards(rewards: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B,) outcome or (B, T) token rewards -> (returns (B, T), outcome (B,)), float64."""
+def check_rewards(
+    rewards: Any, mask: torch.Tensor, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) outcome or (B, T) token rewards -> (returns (B, T), outcome (B,)) in `dtype`."""
     r = _as_tensor("rewards", rewards, mask.device)
     if r.is_complex() or r.dtype == torch.bool:
         raise ValueError(f"rewards: expected real numbers, got {r.dtype}")
-    r = r.to(torch.float64)
-    if not torch.isfinite(r).all():
-        raise ValueError("rewards: contain NaN or inf")
+    r = r.to(dtype or compute_dtype(r))
+    _check_range("rewards", r, False, "")
     batch = mask.shape[0]
     if r.dim() == 1:
         if r.shape[0] != batch:
@@ -117,9 +140,10 @@ def check_rewards(rewards: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def make_rollouts(*, rewards: Any, mask: Any, group_ids: Any, energy: Any = None) -> Rollouts:
-    """Validate user input and build the float64 `Rollouts` view."""
+    """Validate user input and build the `Rollouts` view."""
     mask = check_mask(mask)
-    returns, outcome = check_rewards(rewards, mask)
+    dtype = compute_dtype(rewards, energy)
+    returns, outcome = check_rewards(rewards, mask, dtype)
     group, n_groups = dense_group_index(group_ids, mask.shape[0], mask.device)
-    w = None if energy is None else check_token_values("energy", energy, mask, nonnegative=True)
+    w = None if energy is None else check_token_values("energy", energy, mask, nonnegative=True, dtype=dtype)
     return Rollouts(mask=mask, returns=returns, outcome=outcome, group=group, n_groups=n_groups, energy=w)

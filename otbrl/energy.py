@@ -135,7 +135,8 @@ def token_energy_from_logprobs(logprobs: torch.Tensor, sum_pi_sq: torch.Tensor) 
 def realized_energy(energy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Realized energy W_t = sum_{j<=t} w_j m_j: cumulative over policy tokens, carried through the rest.
 
-    energy, mask: (B, T). Values of `energy` where mask == 0 are never read. Returns (B, T) in float64.
+    energy, mask: (B, T). Values of `energy` where mask == 0 are never read. Returns (B, T) in float32
+    (float64 for float64 energy).
     """
     keep = check_mask(mask)
     return check_token_values("energy", energy, keep, nonnegative=True).cumsum(dim=-1)

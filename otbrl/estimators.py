@@ -1,7 +1,7 @@
 """Advantage estimators behind one contract, a registry, and `compute_advantages`.
 
-An estimator takes a validated `Rollouts` batch plus keyword options and returns float64 (B, T)
-advantages and baselines. Every estimator gives a group of one trajectory no baseline (A = G).
+An estimator takes a validated `Rollouts` batch plus keyword options and returns (B, T) advantages
+and baselines. Every estimator gives a group of one trajectory no baseline (A = G).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class EstimatorSpec:
     fn: EstimatorFn
     needs_energy: bool
     options: tuple[str, ...]
+    masked_output: bool
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,17 @@ ESTIMATORS: dict[str, EstimatorSpec] = {}
 
 
 def register_estimator(
-    name: str, *, needs_energy: bool = False, options: tuple[str, ...] | None = None
+    name: str,
+    *,
+    needs_energy: bool = False,
+    options: tuple[str, ...] | None = None,
+    masked_output: bool = False,
 ) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator: register `fn(batch: Rollouts, **options) -> (advantages, baselines)` under `name`.
 
-    Both outputs are (B, T) tensors; `compute_advantages` masks them and converts them to float32.
-    Set `needs_energy` when the estimator reads `batch.energy`. The accepted option names are fn's
+    Both outputs are (B, T) tensors; `compute_advantages` zeroes them where mask == 0 (skipped when
+    `masked_output` promises fn already does, which saves a pass over (B, T)) and converts them to
+    float32. Set `needs_energy` when fn reads `batch.energy`. The accepted option names are fn's
     keyword-only parameters, unless `options` lists them (for an fn that forwards **kwargs).
     """
     if not isinstance(name, str) or not name:
@@ -56,7 +62,7 @@ def register_estimator(
             raise ValueError(f"name: an estimator called {name!r} is already registered")
         params = list(inspect.signature(fn).parameters.values())[1:]
         names = options or tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
-        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_energy, tuple(names))
+        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_energy, tuple(names), masked_output)
         return fn
 
     return decorate
@@ -94,11 +100,11 @@ def compute_advantages(
         raise ValueError(f"energy: estimator {estimator!r} needs per-token energy (see otbrl.token_energy)")
     batch = make_rollouts(rewards=rewards, mask=mask, group_ids=group_ids, energy=energy)
     advantages, baselines = spec.fn(batch, **options)
-    keep = batch.mask
+    if not spec.masked_output:
+        off = ~batch.mask
+        advantages, baselines = advantages.masked_fill(off, 0.0), baselines.masked_fill(off, 0.0)
     return AdvantageResult(
-        advantages=torch.where(keep, advantages, 0.0).float(),
-        returns=batch.returns.float(),
-        baselines=torch.where(keep, baselines, 0.0).float(),
+        advantages=advantages.float(), returns=batch.returns.float(), baselines=baselines.float()
     )
 
 
@@ -135,7 +141,7 @@ def _per_token(
     return torch.where(keep, advantage[:, None], 0.0), torch.where(keep, baseline[:, None], 0.0)
 
 
-@register_estimator("grpo")
+@register_estimator("grpo", masked_output=True)
 def grpo(batch: Rollouts, *, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO (Shao et al. 2024, DeepSeekMath): A = (R - mean_group R) / (std_group R + eps).
 
@@ -152,14 +158,14 @@ def grpo(batch: Rollouts, *, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Ten
     return _per_token((r - mean) / (std + eps), mean, batch)
 
 
-@register_estimator("dr_grpo")
+@register_estimator("dr_grpo", masked_output=True)
 def dr_grpo(batch: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A = R - mean_group R."""
     mean = torch.where(batch.group_sizes > 1, _group_mean(batch.outcome, batch), 0.0)
     return _per_token(batch.outcome - mean, mean, batch)
 
 
-@register_estimator("rloo")
+@register_estimator("rloo", masked_output=True)
 def rloo(batch: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO (Ahmadian et al. 2024; Kool et al. 2019): A = R - mean of the other N - 1 rewards in the group."""
     r, n = batch.outcome, batch.group_sizes
@@ -168,7 +174,7 @@ def rloo(batch: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
     return _per_token(r - base, base, batch)
 
 
-@register_estimator("opo")
+@register_estimator("opo", masked_output=True)
 def opo(batch: Rollouts, *, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (Hao et al. 2025, arXiv 2505.23585): length-weighted baseline b = sum L_i R_i / sum L_i,
     L = number of policy tokens (the optimal baseline when ||S||^2 is proportional to length)."""
@@ -177,7 +183,7 @@ def opo(batch: Rollouts, *, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tens
     return _per_token(batch.outcome - base, base, batch)
 
 
-@register_estimator("sob", needs_energy=True)
+@register_estimator("sob", needs_energy=True, masked_output=True)
 def sob(batch: Rollouts, *, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence-level optimal baseline: b = sum W(tau_i) R_i / sum W(tau_i), W(tau) = sum_t w_t the
     trajectory's total proxy energy (Weaver & Tao 2001 with the Logit-Gradient Proxy for ||S||^2)."""
@@ -186,7 +192,7 @@ def sob(batch: Rollouts, *, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tens
     return _per_token(batch.outcome - base, base, batch)
 
 
-@register_estimator("reinforce_pp_baseline")
+@register_estimator("reinforce_pp_baseline", masked_output=True)
 def reinforce_pp_baseline(batch: Rollouts, *, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline (Hu et al. 2025): A = R - group mean, then whitened over all policy tokens of
     the batch: (A - mean) / sqrt(var + eps), var unbiased. A group of one has no group baseline but is
@@ -202,7 +208,7 @@ def reinforce_pp_baseline(batch: Rollouts, *, eps: float = 1e-8) -> tuple[torch.
     return torch.where(keep, (adv - mean) / torch.sqrt(var + eps), 0.0), base
 
 
-@register_estimator("otb", needs_energy=True)
+@register_estimator("otb", needs_energy=True, masked_output=True)
 def otb(
     batch: Rollouts,
     *,
@@ -229,29 +235,40 @@ def otb(
         returns there instead.
     """
     _check_eps(eps)
-    keep = batch.mask
+    keep, g = batch.mask, batch.returns
     w = batch.energy
     if is_weights is not None:
-        rho = check_token_values("is_weights", is_weights, keep, nonnegative=True)
-        w = w * rho.square()
+        w = w * check_token_values("is_weights", is_weights, keep, nonnegative=True, dtype=w.dtype).square()
+    if leave_one_out:  # totals minus own shares cancel when one trajectory holds most of the energy
+        w, g = w.double(), g.double()
     realized = w.cumsum(dim=-1)  # carried unchanged through mask == 0 tokens
-    active = keep.to(torch.float64)
-    g = batch.returns
-    # Channels summed per (group, column): sum G W, sum W, sum G (for the fallback), active count.
-    own = torch.stack((g * realized, realized * active, g, active))
+    weighted = torch.where(keep, realized, 0.0)
     columns, width = aligned_columns(keep, align)
-    table = group_sums(to_frame(own, columns, width), batch.group, batch.n_groups, dim=1)
-    total = from_frame(table.index_select(1, batch.group), columns)
+
+    def table(x: torch.Tensor) -> torch.Tensor:  # (B, T) -> (G, width): sums per group and column
+        return group_sums(to_frame(x, columns, width), batch.group, batch.n_groups)
+
+    def per_token(x: torch.Tensor) -> torch.Tensor:  # (G, width) -> (B, T): each token's cell
+        return from_frame(x.index_select(0, batch.group), columns)
+
+    gw = g * weighted
+    num, den = table(gw), table(weighted)
+    count = table(keep if width == keep.shape[1] else keep.to(w.dtype)).to(w.dtype)
     if leave_one_out:
-        total = total - own
-    num, den, g_sum, count = total
-    weighted = num / den.clamp_min(eps)
-    mean = torch.where(count > 0.5, g_sum / count.clamp_min(1.0), 0.0)
-    base = torch.where(den > eps, weighted, mean)
-    if not leave_one_out:
-        alone = count < 1.5  # this trajectory is the only active one at its column
-        no_baseline = batch.group_sizes[:, None] == 1
+        num, den, count = per_token(num) - gw, per_token(den) - weighted, per_token(count) - keep.to(w.dtype)
+    base = num / den.clamp_min(eps)
+    weak = den <= eps  # too little energy to weigh by: use the plain mean of the returns instead
+    if weak.logical_and_(count > 0.5).any():
+        g_sum = per_token(table(g)) - g if leave_one_out else table(g)
+        base = torch.where(weak, g_sum / count.clamp_min(1.0), base)
+    if leave_one_out:
+        base = torch.where(count > 0.5, base, 0.0)  # nobody else active: no baseline
+    else:
+        # Per-cell rules: a group of one has no baseline; with zero_tail neither has a trajectory that
+        # is alone at its column (count == 1 means the only active row there is the one reading it).
+        no_baseline = (torch.bincount(batch.group, minlength=batch.n_groups) == 1)[:, None]
         if zero_tail:
-            no_baseline = no_baseline | alone
-        base = torch.where(no_baseline, 0.0, base)
-    return g - base, base
+            no_baseline = no_baseline | (count < 1.5)
+        base = per_token(torch.where(no_baseline, 0.0, base))
+    base = torch.where(keep, base, 0.0).to(batch.dtype)
+    return batch.returns - base, base

@@ -99,7 +99,9 @@ def score_sq_norms(
 
 
 @register_estimator(
-    "otb_exact", options=("model", "input_ids", "temperature", "method", *ESTIMATORS["otb"].options)
+    "otb_exact",
+    options=("model", "input_ids", "temperature", "method", *ESTIMATORS["otb"].options),
+    masked_output=True,
 )
 def otb_exact(
     batch: Rollouts,

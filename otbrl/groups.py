@@ -68,8 +68,31 @@ def aligned_columns(mask: torch.Tensor, align: str) -> tuple[torch.Tensor, int]:
     return torch.where(mask, rank, length), length + 1
 
 
+def _block_size(group: torch.Tensor, n_groups: int) -> int:
+    """N if rows come as n_groups consecutive blocks of N rows, one block per group (the layout
+    trainers produce by repeating each prompt N times); else 0."""
+    rows = group.shape[0]
+    if n_groups == 0 or rows % n_groups:
+        return 0
+    n = rows // n_groups
+    blocks = group.view(n_groups, n)
+    if not (blocks == blocks[:, :1]).all():
+        return 0
+    return n if torch.unique(blocks[:, 0]).numel() == n_groups else 0
+
+
 def group_sums(values: torch.Tensor, group: torch.Tensor, n_groups: int, dim: int = 0) -> torch.Tensor:
-    """Sum the entries that share a group along `dim`: size B there becomes G."""
+    """Sum the entries that share a group along `dim`: size B there becomes G (bool sums to int64)."""
+    dim = dim % values.dim()
+    n = _block_size(group, n_groups)
+    if n:  # one pass of reduction instead of a scattered add
+        blocks = values.unflatten(dim, (n_groups, n)).sum(dim=dim + 1)
+        order = group[::n]
+        if bool((order == torch.arange(n_groups, device=order.device)).all()):
+            return blocks
+        return torch.empty_like(blocks).index_copy_(dim, order, blocks)
+    if values.dtype == torch.bool:  # counting: index_add needs numbers
+        values = values.to(torch.int64)
     shape = list(values.shape)
     shape[dim] = n_groups
     return values.new_zeros(shape).index_add_(dim, group, values)

@@ -368,7 +368,7 @@ GOOD = dict(
         ({"energy": None}, "sob", {}, r"energy:"),
         ({"rewards": torch.tensor([1.0, 0.0, 1.0])}, "otb", {}, r"rewards: length 3"),
         ({"rewards": torch.ones(2, 4)}, "otb", {}, r"rewards: expected shape"),
-        ({"rewards": torch.tensor([float("nan"), 0.0])}, "grpo", {}, r"rewards: contain NaN"),
+        ({"rewards": torch.tensor([float("nan"), 0.0])}, "grpo", {}, r"rewards: contains NaN"),
         (
             {"rewards": torch.tensor([[0.0, 0, 0], [0, 0, 1]]), "mask": torch.tensor([[1, 1, 1], [1, 1, 0]])},
             "otb",
@@ -418,3 +418,33 @@ def test_values_at_masked_positions_are_never_read():
         "otb", rewards=torch.tensor([1.0, 0.0]), mask=mask, group_ids=[0, 0], energy=energy
     )
     assert torch.isfinite(res.advantages).all()
+
+
+def test_leave_one_out_survives_one_trajectory_holding_almost_all_energy():
+    # Others' energy is 1e-7 of the dominant trajectory's: total - own would cancel in float32.
+    mask = torch.ones(3, 4)
+    energy = torch.tensor([[1.9] * 4, [1e-7] * 4, [3e-7] * 4], dtype=torch.float32)
+    rewards = torch.tensor([5.0, 1.0, 0.0])
+    res = otbrl.compute_advantages(
+        "otb", rewards=rewards, mask=mask, group_ids=[0, 0, 0], energy=energy, leave_one_out=True
+    )
+    _, base = otb_ref(
+        rewards.double(), mask.double(), torch.tensor([0, 0, 0]), energy.double(), leave_one_out=True
+    )
+    torch.testing.assert_close(res.baselines.double(), base, rtol=1e-5, atol=1e-6)
+    assert res.baselines[0, 0].item() == pytest.approx(0.25, rel=1e-5)  # (1 * 1 + 0 * 3) / 4
+
+
+def test_unmasked_output_of_a_custom_estimator_is_masked():
+    name = "test_unmasked"
+    if name not in otbrl.ESTIMATORS:
+
+        @otbrl.register_estimator(name)
+        def unmasked(batch):
+            return torch.ones(batch.mask.shape), torch.ones(batch.mask.shape)
+
+    res = otbrl.compute_advantages(
+        name, rewards=torch.zeros(2), mask=torch.tensor([[1, 0], [0, 0]]), group_ids=[0, 1]
+    )
+    assert res.advantages.tolist() == [[1.0, 0.0], [0.0, 0.0]]
+    assert res.baselines.tolist() == [[1.0, 0.0], [0.0, 0.0]]
