@@ -7,6 +7,7 @@ dtype, and walks the rows in chunks so a (16k, 152k) bf16 input never needs a fu
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -32,24 +33,29 @@ def _check_logits(logits: torch.Tensor, temperature: float) -> None:
         raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
 
 
-def _rows_per_chunk(vocab: int) -> int:
-    return max(1, CHUNK_ELEMENTS // vocab)
-
-
-def _scaled_tile(tile: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """exp(z/T - max) of one tile, as a fresh tensor of `dtype`.
+def _tiles(logits: torch.Tensor, temperature: float) -> Iterator[tuple[slice, torch.Tensor]]:
+    """Yield (rows, e) over chunks of rows of the flattened logits, e = exp(z/T - max z/T) in the
+    compute dtype. One working buffer is reused for every chunk, so peak extra memory is one tile.
 
     -inf logits (masked vocabulary entries) are allowed and get probability 0; NaN, +inf or a row with
-    no finite logit raise. The row max propagates all three, so one check on it suffices.
+    no finite logit raise, after the pass, so a GPU is not synchronised once per chunk. The row max
+    propagates all three, so one check on it suffices.
     """
-    z = tile.to(dtype, copy=True)
-    if temperature != 1.0:
-        z.div_(temperature)
-    top = z.amax(dim=-1, keepdim=True)
-    if not torch.isfinite(top).all():
+    flat = logits.reshape(-1, logits.shape[-1])
+    rows, vocab = flat.shape
+    step = max(1, min(rows, CHUNK_ELEMENTS // vocab))
+    buffer = torch.empty(step, vocab, dtype=_compute_dtype(logits.dtype), device=logits.device)
+    bad = torch.zeros((), dtype=torch.bool, device=logits.device)
+    for start in range(0, rows, step):
+        chunk = flat[start : start + step]
+        e = buffer[: chunk.shape[0]].copy_(chunk)
+        if temperature != 1.0:
+            e.div_(temperature)
+        top = e.amax(dim=-1, keepdim=True)
+        bad |= ~torch.isfinite(top).all()
+        yield slice(start, start + chunk.shape[0]), e.sub_(top).exp_()
+    if bad:
         raise ValueError("logits: contain NaN or +inf, or a row whose logits are all -inf")
-    z.sub_(top).exp_()
-    return z
 
 
 @torch.no_grad()
@@ -60,20 +66,16 @@ def sum_pi_squared(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tens
     With e = exp(z/T - max z/T): sum pi^2 = sum e^2 / (sum e)^2, both sums of positive terms.
     """
     _check_logits(logits, temperature)
-    dtype = _compute_dtype(logits.dtype)
-    flat = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
-    step = _rows_per_chunk(flat.shape[1])
-    for start in range(0, flat.shape[0], step):
-        e = _scaled_tile(flat[start : start + step], temperature, dtype)
+    out = torch.empty(logits.shape[:-1].numel(), dtype=_compute_dtype(logits.dtype), device=logits.device)
+    for rows, e in _tiles(logits, temperature):
         s1 = e.sum(dim=-1)
-        out[start : start + step] = torch.linalg.vecdot(e, e) / (s1 * s1)
+        out[rows] = e.square_().sum(dim=-1) / (s1 * s1)
     return out.reshape(logits.shape[:-1])
 
 
 @torch.no_grad()
 def token_energy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Logit-space squared score norm of the sampled token, ||e_y - softmax(z / T)||^2, in [0, 2).
+    """Logit-space squared score norm of the sampled token, ||e_y - softmax(z / T)||^2, in [0, 2].
 
     logits: (..., V); tokens: (...) integer ids in [0, V). Returns (...) in float32 (float64 for float64
     logits). Written as ((sum_{v!=y} e_v)^2 + sum_{v!=y} e_v^2) / (sum_v e_v)^2 with e = exp(z/T - max):
@@ -90,20 +92,16 @@ def token_energy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float 
     vocab = logits.shape[-1]
     if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab):
         raise ValueError(f"tokens: ids must lie in [0, {vocab})")
-    dtype = _compute_dtype(logits.dtype)
-    flat = logits.reshape(-1, vocab)
     ids = tokens.reshape(-1, 1).to(device=logits.device, dtype=torch.long)
-    out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
-    step = _rows_per_chunk(vocab)
-    for start in range(0, flat.shape[0], step):
-        e = _scaled_tile(flat[start : start + step], temperature, dtype)
-        y = ids[start : start + step]
+    out = torch.empty(ids.shape[0], dtype=_compute_dtype(logits.dtype), device=logits.device)
+    for rows, e in _tiles(logits, temperature):
+        y = ids[rows]
         e_y = e.gather(-1, y).squeeze(-1)
         e.scatter_(-1, y, 0.0)  # e now holds only the tokens that were not sampled
         s1_other = e.sum(dim=-1)
-        s2_other = torch.linalg.vecdot(e, e)
+        s2_other = e.square_().sum(dim=-1)
         s1 = s1_other + e_y
-        out[start : start + step] = (s1_other * s1_other + s2_other) / (s1 * s1)
+        out[rows] = (s1_other * s1_other + s2_other) / (s1 * s1)
     return out.reshape(tokens.shape)
 
 

@@ -129,13 +129,14 @@ def test_chunked_equals_unchunked(monkeypatch, chunk_rows, expected_tiles):
     full_w = otbrl.token_energy(logits, tokens, 1.7)
 
     tiles = []
-    real_tile = energy_mod._scaled_tile
+    real_tiles = energy_mod._tiles
 
-    def spy(tile, *args):
-        tiles.append(tile.shape[0])
-        return real_tile(tile, *args)
+    def spy(*args):
+        for rows, e in real_tiles(*args):
+            tiles.append(e.shape[0])
+            yield rows, e
 
-    monkeypatch.setattr(energy_mod, "_scaled_tile", spy)
+    monkeypatch.setattr(energy_mod, "_tiles", spy)
     # chunk_rows * V + 1 elements still allows only chunk_rows rows per tile.
     monkeypatch.setattr(energy_mod, "CHUNK_ELEMENTS", chunk_rows * 23 + (chunk_rows > 1))
     torch.testing.assert_close(otbrl.sum_pi_squared(logits, 1.7), full_spsq, rtol=1e-6, atol=0)
