@@ -9,17 +9,12 @@ masks), energy uniform in [0, 1). Each (estimator, size) cell runs in a fresh pr
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-from pathlib import Path
-
 import torch
-from common import in_fresh_process, machine, markdown_table, measure
+from common import command_line, in_fresh_process, machine, markdown_table, measure
 from torch import Tensor
 
 import otbrl
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 GROUP_SIZE = 8
 FULL_SIZES = [(256, 1024), (256, 8192), (1024, 1024), (1024, 8192)]
 QUICK_SIZES = [(256, 1024)]
@@ -133,16 +128,8 @@ def cell(name: str, batch: int, length: int, threads: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="B=256, T=1024 only; output to a temp file")
-    parser.add_argument("--out", type=Path, help="markdown output path")
-    args = parser.parse_args()
-    sizes = QUICK_SIZES if args.quick else FULL_SIZES
-    default_out = (Path(tempfile.gettempdir()) if args.quick else RESULTS) / "advantages.md"
-    out = args.out or default_out
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    print(machine(threads))
+    quick, out, threads = command_line(__doc__.splitlines()[0], "B=256, T=1024 only", "advantages.md")
+    sizes = QUICK_SIZES if quick else FULL_SIZES
 
     header = ["B", "T", *(f"{k} ms" for k in FUNCTIONS), "group loop/otb", "row loop/otb", "otb/grpo"]
     header += ["otb peak MiB", "grpo peak MiB"]
@@ -186,7 +173,7 @@ def main() -> None:
         + f". OTB <= {TARGET_GRPO_RATIO:.0f}x GRPO time: {met(ratio <= TARGET_GRPO_RATIO)} ({ratio:.2f}x)."
     )
     print(verdict)
-    command = ".venv/bin/python benchmarks/bench_advantages.py" + (" --quick" if args.quick else "")
+    command = ".venv/bin/python benchmarks/bench_advantages.py" + (" --quick" if quick else "")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         "# Advantage estimators: time and peak memory\n\n"

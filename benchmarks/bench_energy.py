@@ -12,18 +12,13 @@ cell runs in a fresh process.
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-from pathlib import Path
-
 import torch
-from common import in_fresh_process, machine, markdown_table, measure
+from common import command_line, in_fresh_process, machine, markdown_table, measure
 from torch import Tensor
 
 import otbrl
 from otbrl.energy import CHUNK_ELEMENTS
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 FULL_VOCABS, FULL_ROWS = [32768, 151936], [1024, 2048, 4096]
 QUICK_VOCABS, QUICK_ROWS = [32768], [256, 512]
 ERROR_ROWS = 64  # rows checked against the float64 reference
@@ -88,15 +83,8 @@ def cell(fn: str, impl: str, vocab: int, rows: int, threads: int) -> dict[str, f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="V=32768, rows 256/512; output to a temp file")
-    parser.add_argument("--out", type=Path, help="markdown output path")
-    args = parser.parse_args()
-    vocabs, row_counts = (QUICK_VOCABS, QUICK_ROWS) if args.quick else (FULL_VOCABS, FULL_ROWS)
-    out = args.out or (Path(tempfile.gettempdir()) if args.quick else RESULTS) / "sum_pi_squared.md"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    print(machine(threads))
+    quick, out, threads = command_line(__doc__.splitlines()[0], "V=32768, rows 256/512", "sum_pi_squared.md")
+    vocabs, row_counts = (QUICK_VOCABS, QUICK_ROWS) if quick else (FULL_VOCABS, FULL_ROWS)
 
     header = ["V", "rows", "fn", "chunked ms", "naive ms", "chunked peak MiB", "naive peak MiB"]
     header += ["max rel err chunked", "max rel err naive"]
@@ -134,7 +122,7 @@ def main() -> None:
         + ") the tile itself grows with rows."
     )
     print(summary)
-    command = ".venv/bin/python benchmarks/bench_energy.py" + (" --quick" if args.quick else "")
+    command = ".venv/bin/python benchmarks/bench_energy.py" + (" --quick" if quick else "")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         "# sum pi^2 and token energy: chunked vs naive full softmax\n\n"

@@ -7,10 +7,12 @@ high-water mark reset by writing "5" to /proc/self/clear_refs.
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +51,22 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
     fn must be a module-level function and its result picklable."""
     with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+def command_line(description: str, quick_help: str, filename: str) -> tuple[bool, Path, int]:
+    """Parse --quick / --out. Returns (quick, output path, torch threads). Quick runs write to the temp
+    directory unless --out says otherwise, so they never overwrite the measured tables in docs/."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=f"{quick_help}; output to a temp file")
+    parser.add_argument("--out", type=Path, help="markdown output path")
+    args = parser.parse_args()
+    out = args.out or (Path(tempfile.gettempdir()) if args.quick else RESULTS) / filename
+    threads = torch.get_num_threads()
+    print(machine(threads))
+    return args.quick, out, threads
 
 
 def machine(threads: int) -> str:
