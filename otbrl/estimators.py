@@ -253,7 +253,8 @@ def otb(
 
     gw = g * weighted
     num, den = table(gw), table(weighted)
-    count = table(keep if width == keep.shape[1] else keep.to(w.dtype)).to(w.dtype)
+    # Bool rows sum to counts without a float copy, except where to_frame has to scatter numbers.
+    count = table(keep if align == "position" else keep.to(w.dtype)).to(w.dtype)
     if leave_one_out:
         num, den, count = per_token(num) - gw, per_token(den) - weighted, per_token(count) - keep.to(w.dtype)
     base = num / den.clamp_min(eps)
