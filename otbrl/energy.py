@@ -138,3 +138,7 @@ def realized_energy(energy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """
     keep = check_mask(mask)
     return check_token_values("energy", energy, keep, nonnegative=True).cumsum(dim=-1)
+
+
+# From hidden states without materialising logits (torch tiles, or Triton on CUDA): see otbrl.fused.
+from otbrl.fused import TokenStats, fused_token_stats  # noqa: E402, F401  (re-exported)

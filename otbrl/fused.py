@@ -1,0 +1,214 @@
+"""Per-token log-prob, sum pi^2, energy and entropy straight from hidden states and the output head,
+never holding more than one (rows x vocabulary) tile of logits.
+
+Each token's statistics over a slice of the vocabulary form a `PartialStats`; two slices combine like
+an online softmax. The torch path walks vocabulary tiles this way, the Triton kernel
+(`otbrl.fused_triton`, CUDA) does the same in registers, and tensor-parallel vocabulary shards combine
+with `combine_partial_stats`. The sampled token is kept out of the running sums so that the energy is a
+sum of positive terms (never negative, accurate for confident tokens), as in `otbrl.token_energy`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+# Elements of one float32 logits tile on the torch path (16 MiB).
+TILE_ELEMENTS = 1 << 22
+VOCAB_TILE = 8192
+BACKENDS = ("auto", "torch", "triton")
+
+
+class TokenStats(NamedTuple):
+    """Per-token statistics at the given temperature, each (...) float32 (float64 for float64 input)."""
+
+    logprobs: torch.Tensor  # log softmax(z / T)[y]
+    sum_pi_sq: torch.Tensor  # sum_v softmax(z / T)_v^2
+    energy: torch.Tensor  # ||e_y - softmax(z / T)||^2, never negative
+    entropy: torch.Tensor  # -sum_v pi_v log pi_v
+
+
+class PartialStats(NamedTuple):
+    """Statistics of each token over a slice of the vocabulary, relative to `max_logit` m:
+    s1 = sum_{v != y} e^(z_v - m), s2 = sum_{v != y} e^(2(z_v - m)), a = sum_{v != y} e^(z_v - m)(z_v - m),
+    label = z_y if the sampled token lies in the slice, else -inf. All (N,)."""
+
+    max_logit: torch.Tensor
+    s1: torch.Tensor
+    s2: torch.Tensor
+    a: torch.Tensor
+    label: torch.Tensor
+
+
+def combine_partial_stats(x: PartialStats, y: PartialStats) -> PartialStats:
+    """Merge the statistics of two disjoint vocabulary slices (e.g. tensor-parallel shards)."""
+    m = torch.maximum(x.max_logit, y.max_logit)
+
+    def rescale(p: PartialStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shift = p.max_logit - m  # <= 0; -inf for a slice that has seen nothing yet
+        c = torch.exp(shift)
+        has = p.s1 > 0  # avoids -inf * 0 where a slice holds no mass
+        a = torch.where(has, c * (p.a + torch.where(has, shift, 0.0) * p.s1), 0.0)
+        return c * p.s1, c * c * p.s2, a
+
+    s1x, s2x, ax = rescale(x)
+    s1y, s2y, ay = rescale(y)
+    return PartialStats(m, s1x + s1y, s2x + s2y, ax + ay, torch.maximum(x.label, y.label))
+
+
+def finalize_partial_stats(p: PartialStats) -> TokenStats:
+    """TokenStats from the statistics over the whole vocabulary."""
+    if not torch.isfinite(p.label).all() or not torch.isfinite(p.max_logit).all():
+        raise ValueError("hidden: produce non-finite logits (or a token's logit was never seen)")
+    rel = p.label - p.max_logit
+    e_y = torch.exp(rel)
+    s1 = p.s1 + e_y
+    log_s1 = torch.log(s1)
+    return TokenStats(
+        logprobs=rel - log_s1,
+        sum_pi_sq=(p.s2 + e_y * e_y) / (s1 * s1),
+        energy=(p.s1 * p.s1 + p.s2) / (s1 * s1),
+        entropy=log_s1 - (p.a + e_y * rel) / s1,
+    )
+
+
+def tile_partial_stats(z: torch.Tensor, local: torch.Tensor) -> PartialStats:
+    """PartialStats of one logits tile z (N, Vt) (consumed), sampled tokens at columns `local` (N,),
+    or outside the tile where local is out of [0, Vt)."""
+    width = z.shape[1]
+    inside = (local >= 0) & (local < width)
+    col = local.clamp(0, width - 1)[:, None]
+    m = z.amax(dim=1)
+    label = torch.where(inside, z.gather(1, col).squeeze(1), -math.inf)
+    z.sub_(m[:, None])
+    e = torch.exp(z)
+    e.scatter_(1, col, torch.where(inside[:, None], 0.0, e.gather(1, col)))  # keep y out of the sums
+    s1 = e.sum(dim=1)
+    a = (e * z).sum(dim=1)
+    s2 = e.square_().sum(dim=1)
+    return PartialStats(m, s1, s2, a, label)
+
+
+def empty_partial_stats(n: int, dtype: torch.dtype, device: torch.device) -> PartialStats:
+    ninf = torch.full((n,), -math.inf, dtype=dtype, device=device)
+    zero = torch.zeros(n, dtype=dtype, device=device)
+    return PartialStats(ninf, zero, zero, zero, ninf.clone())
+
+
+def _check(hidden, weight, tokens, temperature, bias) -> None:
+    if not (isinstance(hidden, torch.Tensor) and hidden.is_floating_point() and hidden.dim() >= 1):
+        raise ValueError("hidden: expected a floating-point tensor of shape (..., H)")
+    if not (isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2):
+        raise ValueError("weight: expected the output head's weight, a floating-point (V, H) tensor")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight: on {weight.device}, hidden on {hidden.device}")
+    if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex():
+        raise ValueError("tokens: expected an integer tensor")
+    if tokens.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"tokens: shape {tuple(tokens.shape)} does not match hidden {tuple(hidden.shape)}[:-1]"
+        )
+    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= weight.shape[0]):
+        raise ValueError(f"tokens: ids must lie in [0, {weight.shape[0]})")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
+        raise ValueError(f"bias: expected shape ({weight.shape[0]},)")
+    if isinstance(temperature, bool) or not (
+        isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
+
+
+@torch.no_grad()
+def fused_partial_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    vocab_start: int = 0,
+    logprobs_only: bool = False,
+) -> PartialStats:
+    """Torch path: PartialStats of hidden (N, H) against weight (V, H), a vocabulary slice whose first
+    id is `vocab_start` (0 unless the head is sharded). Logits are formed in the compute dtype (float32,
+    or float64 for float64 input) one tile at a time. `logprobs_only` skips s2 and a (for comparison)."""
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    n, vocab = hidden.shape[0], weight.shape[0]
+    h = hidden.to(dtype)
+    local_ids = tokens.to(device=hidden.device, dtype=torch.long) - vocab_start
+    vt = min(vocab, VOCAB_TILE)
+    rows = max(1, TILE_ELEMENTS // vt)
+    stats = []
+    for r0 in range(0, n, rows):
+        stats.append(empty_partial_stats(min(rows, n - r0), dtype, hidden.device))
+    for v0 in range(0, vocab, vt):
+        w = weight[v0 : v0 + vt].to(dtype)  # upcast once per vocabulary tile
+        b = None if bias is None else bias[v0 : v0 + vt].to(dtype)
+        for i, r0 in enumerate(range(0, n, rows)):
+            z = h[r0 : r0 + rows] @ w.T
+            if b is not None:
+                z += b
+            if temperature != 1.0:
+                z /= temperature
+            local = local_ids[r0 : r0 + rows] - v0
+            if logprobs_only:
+                stats[i] = _logprob_tile_update(stats[i], z, local)
+            else:
+                stats[i] = combine_partial_stats(stats[i], tile_partial_stats(z, local))
+    if not stats:
+        return empty_partial_stats(0, dtype, hidden.device)
+    return PartialStats(*(torch.cat(parts) for parts in zip(*stats, strict=True)))
+
+
+def _logprob_tile_update(p: PartialStats, z: torch.Tensor, local: torch.Tensor) -> PartialStats:
+    """The log-prob-only online update (running max, sum of exp, label logit): the baseline that the
+    full statistics are benchmarked against."""
+    width = z.shape[1]
+    inside = (local >= 0) & (local < width)
+    col = local.clamp(0, width - 1)[:, None]
+    label = torch.maximum(p.label, torch.where(inside, z.gather(1, col).squeeze(1), -math.inf))
+    m = torch.maximum(p.max_logit, z.amax(dim=1))
+    s1 = p.s1 * torch.exp(p.max_logit - m) + torch.exp(z.sub_(m[:, None])).sum(dim=1)
+    return PartialStats(m, s1, p.s2, p.a, label)
+
+
+def _triton_usable(hidden: torch.Tensor) -> bool:
+    if not hidden.is_cuda or hidden.dtype == torch.float64:  # float64 stays on the torch path
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fused_token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> TokenStats:
+    """Per-token logprobs, sum pi^2, energy and entropy of softmax((hidden @ weight.T + bias) / T).
+
+    hidden: (..., H) final hidden states at the positions that predict `tokens` (...); weight: (V, H)
+    output head; bias: (V,) or None. Any floating dtype; accumulation in float32 (float64 for float64
+    input). Never holds more than one tile of logits. backend: "auto" (Triton on CUDA when installed,
+    else torch), "torch" or "triton". Returns a `TokenStats` of (...) tensors; no autograd graph.
+    """
+    _check(hidden, weight, tokens, temperature, bias)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    shape = tokens.shape
+    h, y = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+    if backend == "triton" or (backend == "auto" and _triton_usable(hidden)):
+        from otbrl.fused_triton import triton_token_stats
+
+        stats = triton_token_stats(h, weight, y, temperature, bias)
+    else:
+        stats = finalize_partial_stats(fused_partial_stats(h, weight, y, temperature, bias))
+    return TokenStats(*(s.reshape(shape) for s in stats))
