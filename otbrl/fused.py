@@ -85,10 +85,10 @@ def tile_partial_stats(z: torch.Tensor, local: torch.Tensor) -> PartialStats:
     z.sub_(m[:, None])
     e = torch.exp(z)
     e.scatter_(1, col, torch.where(inside[:, None], 0.0, e.gather(1, col)))  # keep y out of the sums
-    s1 = e.sum(dim=1)
-    a = (e * z).sum(dim=1)
-    s2 = e.square_().sum(dim=1)
-    return PartialStats(m, s1, s2, a, label)
+    # Row-wise dot products read the tile without writing a product tile.
+    return PartialStats(
+        m, e.sum(dim=1), torch.einsum("nv,nv->n", e, e), torch.einsum("nv,nv->n", e, z), label
+    )
 
 
 def empty_partial_stats(n: int, dtype: torch.dtype, device: torch.device) -> PartialStats:
