@@ -1,0 +1,69 @@
+"""The `otbrl` command.
+
+otbrl train --config recipes/NAME.yaml [--resume] [--key value ...]   train with a recipe
+otbrl demo [--key value ...]                                          the embedded default run
+otbrl recipes                                                         list the packaged recipes
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from otbrl.train import load_recipe, parse_value, recipe_names, run, summary_table
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """["--learning_rate", "1e-4", "--estimator-options", '{"leave_one_out": true}'] -> a dict."""
+    out, i = {}, 0
+    while i < len(items):
+        key = items[i]
+        if not key.startswith("--") or len(key) < 3:
+            raise SystemExit(f"otbrl: expected --key value, got {key!r}")
+        name, eq, value = key[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(items):
+                raise SystemExit(f"otbrl: {key} needs a value")
+            value, i = items[i + 1], i + 1
+        out[name.replace("-", "_")] = parse_value(value)
+        i += 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="otbrl", description="RL for language models with the Optimal Token Baseline."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser(
+        "train", help="train with a recipe; any recipe key can be overridden as --key value"
+    )
+    train.add_argument(
+        "--config", required=True, help=f"a recipe file, or a packaged recipe: {', '.join(recipe_names())}"
+    )
+    train.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+    )
+    demo = sub.add_parser(
+        "demo", help="warm start (cached) + OTB training on a built-in task, then a summary"
+    )
+    demo.add_argument("--resume", action="store_true")
+    sub.add_parser("recipes", help="list the packaged recipes")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "recipes":
+        print("\n".join(recipe_names()))
+        return
+    try:
+        recipe = load_recipe("demo" if args.command == "demo" else args.config, parse_overrides(rest))
+        summary = run(recipe, resume=args.resume)
+    except ValueError as err:  # bad recipe or input: one clear line, no traceback
+        raise SystemExit(f"otbrl: {err}") from None
+    print()
+    print(summary_table(summary))
+    print(
+        f"\nwrote to {recipe['output_dir']}: summary.md, metrics.jsonl, curves.png, TensorBoard, checkpoints"
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,239 @@
+"""OTB inside TRL's GRPOTrainer: swap `GRPOConfig, GRPOTrainer` for `OTBGRPOConfig, OTBGRPOTrainer`.
+
+After TRL generates and scores a batch, the trainer computes each completion token's energy in a no-grad
+pass (final hidden states through `otbrl.fused_token_stats`, never the full logits), gathers what the
+estimator needs from every process (a prompt's group may span ranks), and hands TRL's loss (B, T)
+advantages from `otbrl.compute_advantages`. Every registered estimator runs through the same path, so
+GRPO, RLOO, OPO and OTB runs differ only in `advantage_estimator`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import otbrl
+from otbrl.diagnostics import SurgeDetector, batch_diagnostics
+
+TESTED_TRL = ("1.16", "1.17")  # [low, high): the range this adapter was tested with
+
+
+def _check_trl_version() -> None:
+    import trl
+    from packaging.version import Version
+
+    low, high = TESTED_TRL
+    if not Version(low) <= Version(trl.__version__) < Version(high):
+        raise ImportError(
+            f"otbrl.integrations.trl was tested with trl>={low},<{high} and relies on its GRPOTrainer "
+            f"internals; found trl {trl.__version__}. Install a tested version: pip install 'otbrl[trl]'"
+        )
+
+
+_check_trl_version()
+
+from transformers import TrainerCallback  # noqa: E402
+from transformers.trainer_callback import ExportableState  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+
+@dataclass
+class OTBGRPOConfig(GRPOConfig):
+    """GRPOConfig plus the advantage estimator. `estimator_options` holds the estimator's keywords
+    (e.g. {"leave_one_out": true}); a JSON string is accepted, as from a command line."""
+
+    advantage_estimator: str = field(
+        default="otb", metadata={"help": "an otbrl estimator: " + ", ".join(sorted(otbrl.ESTIMATORS))}
+    )
+    estimator_options: dict | str | None = field(
+        default=None, metadata={"help": 'options of the estimator, e.g. {"leave_one_out": true}'}
+    )
+    surge_factor: float = field(
+        default=3.0, metadata={"help": "grad-norm surge: factor over the running median"}
+    )
+    surge_window: int = field(default=50, metadata={"help": "grad-norm surge: steps in the running median"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.estimator_options, str):
+            try:
+                self.estimator_options = json.loads(self.estimator_options)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"estimator_options: not valid JSON ({err})") from None
+        self.estimator_options = dict(self.estimator_options or {})
+        spec = otbrl.ESTIMATORS.get(self.advantage_estimator)
+        if spec is None or self.advantage_estimator == "otb_exact":
+            known = ", ".join(sorted(set(otbrl.ESTIMATORS) - {"otb_exact"}))
+            raise ValueError(
+                f"advantage_estimator: unknown or unsupported {self.advantage_estimator!r}; known: {known}"
+            )
+        unknown = sorted(set(self.estimator_options) - set(spec.options))
+        if unknown:
+            raise ValueError(
+                f"estimator_options: {unknown[0]!r} is not an option of {self.advantage_estimator!r} "
+                f"(its options: {', '.join(spec.options) or 'none'})"
+            )
+
+
+class SurgeCallback(TrainerCallback, ExportableState):
+    """Holds the grad-norm surge detector so its history is saved in checkpoints and restored on resume."""
+
+    def __init__(self, factor: float = 3.0, window: int = 50, warmup: int = 10) -> None:
+        self.detector = SurgeDetector(factor=factor, window=window, warmup=warmup)
+
+    @property
+    def detector_state(self) -> dict:
+        return self.detector.state_dict()
+
+    @detector_state.setter
+    def detector_state(self, value: dict) -> None:
+        self.detector.load_state_dict(value)
+
+    def state(self) -> dict:
+        d = self.detector
+        return {"args": {"factor": d.factor, "window": d.window, "warmup": d.warmup},
+                "attributes": {"detector_state": d.state_dict()}}  # fmt: skip
+
+
+class _GuardedReward:
+    """A reward function whose failures cost one sample, not the run: an exception or a NaN/inf value
+    gives that sample reward 0 and is counted (`failures`). None passes through (TRL: not applicable)."""
+
+    def __init__(self, fn: Any) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.failures = fn, 0
+
+    def _value(self, v: Any) -> float | None:
+        if v is None:
+            return None
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            v = math.nan
+        if math.isfinite(v):
+            return v
+        self.failures += 1
+        return 0.0
+
+    def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
+        try:
+            values = list(self.fn(prompts=prompts, completions=completions, **kwargs))
+            if len(values) != len(prompts):
+                raise ValueError(f"reward function returned {len(values)} values for {len(prompts)} samples")
+        except Exception:  # noqa: BLE001  -- find the failing samples one by one
+            values = [self._one(i, prompts, completions, kwargs) for i in range(len(prompts))]
+        return [self._value(v) for v in values]
+
+    def _one(self, i: int, prompts: list, completions: list, kwargs: dict) -> Any:
+        n = len(prompts)
+        single = {k: (v[i : i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
+        try:
+            return list(self.fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **single))[0]
+        except Exception:  # noqa: BLE001
+            return math.nan
+
+
+class OTBGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose loss receives (B, T) advantages from any otbrl estimator."""
+
+    def __init__(self, *args: Any, reward_funcs: Any = None, **kwargs: Any) -> None:
+        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        self._guarded = [
+            _GuardedReward(f) if callable(f) and not isinstance(f, torch.nn.Module) else f for f in funcs
+        ]
+        super().__init__(*args, reward_funcs=self._guarded, **kwargs)
+        if not isinstance(self.args, OTBGRPOConfig):
+            raise ValueError("args: OTBGRPOTrainer needs an OTBGRPOConfig")
+        self.add_callback(SurgeCallback(self.args.surge_factor, self.args.surge_window))
+        self._rewards_per_func: torch.Tensor | None = None
+        self.last_advantages: torch.Tensor | None = None  # (B_local, T_local) of the latest batch
+
+    # TRL computes and gathers per-function rewards but does not return them from the scoring step.
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # noqa: ANN001, ANN202
+        self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self._rewards_per_func
+
+    @torch.no_grad()
+    def token_energy(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:  # noqa: ANN001
+        """(B, T) energy of each completion token at the sampling temperature, from the decoder's final
+        hidden states and the output head (otbrl.fused_token_stats: no (tokens x vocab) logits)."""
+        model = self.accelerator.unwrap_model(self.model)
+        if hasattr(model, "get_base_model"):  # PEFT
+            model = model.get_base_model()
+        decoder = getattr(model, model.base_model_prefix)
+        head = model.get_output_embeddings()
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention = torch.cat([prompt_mask, completion_mask], dim=1)
+        start, width = prompt_ids.shape[1] - 1, completion_ids.shape[1]  # position t predicts token t + 1
+        rows = self.args.per_device_train_batch_size
+        out = []
+        for r in range(0, ids.shape[0], rows):
+            with self.accelerator.autocast():
+                hidden = decoder(
+                    input_ids=ids[r : r + rows], attention_mask=attention[r : r + rows]
+                ).last_hidden_state
+            stats = otbrl.fused_token_stats(
+                hidden[:, start : start + width], head.weight, completion_ids[r : r + rows],
+                temperature=self.temperature, bias=getattr(head, "bias", None),
+            )  # fmt: skip
+            out.append(stats.energy)
+        return torch.cat(out) * completion_mask
+
+    def _gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(B_local, T_local) on every rank -> (B_global, T_max), rows in rank order, padded with 0."""
+        return self.accelerator.gather(self.accelerator.pad_across_processes(x, dim=1, pad_index=0))
+
+    def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
+        out = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
+        rows, length = mask.shape
+        spec = otbrl.ESTIMATORS[self.args.advantage_estimator]
+        options = dict(self.args.estimator_options)
+        if "tool_mask" in out and "align" in spec.options:
+            options.setdefault("align", "generated")  # tool output shifts positions between trajectories
+        energy = (
+            self.token_energy(out["prompt_ids"], out["prompt_mask"], out["completion_ids"], mask)
+            if spec.needs_energy
+            else torch.zeros(mask.shape, device=mask.device)
+        )
+        all_mask = self._gather_rows(mask.int()).bool()
+        all_energy = self._gather_rows(energy.float())
+        per_func = self._rewards_per_func  # (B_global, functions), gathered by TRL
+        rewards = (per_func * self.reward_weights.to(per_func.device)[None, :]).nansum(dim=1)
+        unscored = torch.isnan(per_func).all(dim=1)  # every function said "not applicable": no signal
+        all_mask &= ~unscored[:, None]
+        group_ids = torch.arange(rewards.numel(), device=rewards.device) // group_size  # RepeatSampler layout
+        res = otbrl.compute_advantages(
+            self.args.advantage_estimator, rewards=rewards.masked_fill(unscored, 0.0), mask=all_mask,
+            group_ids=group_ids, energy=all_energy if spec.needs_energy else None, **options,
+        )  # fmt: skip
+        rank = self.accelerator.process_index
+        local = res.advantages[rank * rows : (rank + 1) * rows, :length].to(mask.device)
+        out["advantages"] = local  # TRL's loss keeps 2-D advantages as they are
+        self.last_advantages = local
+
+        metrics = self._metrics[mode]
+        diag = batch_diagnostics(res.advantages, all_energy, all_mask)
+        for key, value in diag.items():
+            metrics[f"otb/{key}"].append(value)
+        metrics["otb/reward_failures"].append(float(sum(getattr(f, "failures", 0) for f in self._guarded)))
+        # TRL's completions table shows one advantage per sequence: show the mean over its tokens.
+        per_seq = res.advantages.sum(dim=1) / all_mask.sum(dim=1).clamp_min(1)
+        table = self._logs["advantages"]  # a deque: drop TRL's entries for this batch, then add ours
+        for _ in range(min(per_seq.numel(), len(table))):
+            table.pop()
+        table.extend(per_seq.tolist())
+        return out
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "grad_norm" in logs:
+            callback = next(c for c in self.callback_handler.callbacks if isinstance(c, SurgeCallback))
+            logs["otb/grad_norm_surge"] = float(callback.detector.update(logs["grad_norm"]))
+        super().log(logs, start_time)
