@@ -242,13 +242,14 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     if recipe["threads"]:
         torch.set_num_threads(int(recipe["threads"]))
     torch.manual_seed(recipe["seed"])
+    # Everything that can be wrong with the recipe fails here, before a warm start or a model load.
     train_rows, eval_rows = load_rows(recipe)
     reward = make_reward(recipe)
-    model, tokenizer = load_model(recipe, log)
     fields = {f.name for f in dataclasses.fields(OTBGRPOConfig)}
     config = OTBGRPOConfig(
         **{k: v for k, v in recipe.items() if k in fields}, use_cpu=not torch.cuda.is_available()
     )
+    model, tokenizer = load_model(recipe, log)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
