@@ -57,6 +57,11 @@ class OTBGRPOConfig(GRPOConfig):
         default=3.0, metadata={"help": "grad-norm surge: factor over the running median"}
     )
     surge_window: int = field(default=50, metadata={"help": "grad-norm surge: steps in the running median"})
+    # transformers leaves stateful callbacks (here the surge detector) at their initial state on resume
+    # unless asked; a resumed run should continue where it stopped.
+    restore_callback_states_from_checkpoint: bool = field(
+        default=True, metadata={"help": "restore stateful callbacks (the surge detector) on resume"}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,7 +86,8 @@ class OTBGRPOConfig(GRPOConfig):
 
 
 class SurgeCallback(TrainerCallback, ExportableState):
-    """Holds the grad-norm surge detector so its history is saved in checkpoints and restored on resume."""
+    """Holds the grad-norm surge detector so its history is saved in checkpoints and restored on resume
+    (OTBGRPOConfig sets restore_callback_states_from_checkpoint=True for that)."""
 
     def __init__(self, factor: float = 3.0, window: int = 50, warmup: int = 10) -> None:
         self.detector = SurgeDetector(factor=factor, window=window, warmup=warmup)
@@ -151,6 +157,7 @@ class OTBGRPOTrainer(GRPOTrainer):
             raise ValueError("args: OTBGRPOTrainer needs an OTBGRPOConfig")
         self.add_callback(SurgeCallback(self.args.surge_factor, self.args.surge_window))
         self._rewards_per_func: torch.Tensor | None = None
+        self._failures_seen, self._failures_total = 0, 0.0
         self.last_advantages: torch.Tensor | None = None  # (B_local, T_local) of the latest batch
 
     # TRL computes and gathers per-function rewards but does not return them from the scoring step.
@@ -223,7 +230,13 @@ class OTBGRPOTrainer(GRPOTrainer):
         diag = batch_diagnostics(res.advantages, all_energy, all_mask)
         for key, value in diag.items():
             metrics[f"otb/{key}"].append(value)
-        metrics["otb/reward_failures"].append(float(sum(getattr(f, "failures", 0) for f in self._guarded)))
+        # Reward functions ran on each rank's own completions: add this batch's failures on all ranks to
+        # the run's total (logged as a running count).
+        failures = sum(getattr(f, "failures", 0) for f in self._guarded)
+        new = torch.tensor([failures - self._failures_seen], dtype=torch.float32, device=mask.device)
+        self._failures_seen = failures
+        self._failures_total += self.accelerator.gather(new).sum().item()
+        metrics["otb/reward_failures"].append(self._failures_total)
         # TRL's completions table shows one advantage per sequence: show the mean over its tokens.
         per_seq = res.advantages.sum(dim=1) / all_mask.sum(dim=1).clamp_min(1)
         table = self._logs["advantages"]  # a deque: drop TRL's entries for this batch, then add ours

@@ -1,0 +1,40 @@
+"""Synthetic verifiable tasks for tiny models: tasks and rewards, a character tokenizer, a tiny Qwen2
+factory, a KV-cache sampler that returns log-probs, and a cached supervised warm start.
+
+`otbrl.tasks.tasks` and the tokenizer constants are pure Python; the model, sampling and warm-start
+names load transformers on first use. Needs the `tasks` extra (transformers, tokenizers, safetensors).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from otbrl.tasks.tasks import TASKS, Task, dataset, get_task, running_sum_dense
+from otbrl.tasks.tokenizer import VOCAB_SIZE, char_tokenizer
+
+_LAZY = {
+    "PRESETS": "models",
+    "tiny_model": "models",
+    "Samples": "sampling",
+    "sample": "sampling",
+    "evaluate": "warmstart",
+    "warm_start": "warmstart",
+}
+
+__all__ = [
+    "TASKS",
+    "VOCAB_SIZE",
+    "Task",
+    "char_tokenizer",
+    "dataset",
+    "get_task",
+    "running_sum_dense",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"otbrl.tasks.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'otbrl.tasks' has no attribute {name!r}")

@@ -1,0 +1,111 @@
+"""Batched sampling from a causal LM with a hand-written KV-cache loop that also returns the log-probs
+of the sampled tokens: the rollouts an RL step needs, with the layout TRL uses (each prompt's samples
+are consecutive rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class Samples:
+    """Rollouts for `len(prompts) * num_samples` rows, B of them; T is the longest completion (<= the
+    `max_new_tokens` asked for).
+
+    prompt_ids      (B, P) long, left-padded with pad
+    prompt_mask     (B, P) long, 1 on real prompt tokens
+    completion_ids  (B, T) long, sampled tokens, pad after eos (and after T for rows that never end)
+    completion_mask (B, T) long, 1 on generated tokens up to and including eos
+    logprobs        (B, T) float32, log pi(token) at the sampling temperature; 0 where the mask is 0
+    group_ids       (B,)   long, index of the prompt each row came from
+    texts           B decoded completions without special tokens
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    logprobs: torch.Tensor
+    group_ids: torch.Tensor
+    texts: list[str]
+
+
+@torch.no_grad()
+def sample(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Samples:
+    """Sample `num_samples` completions of each prompt, at most `max_new_tokens` tokens each (eos
+    included). `temperature == 0` decodes greedily and reports log-probs at temperature 1. Rows stop at
+    eos; the loop ends when every row has. `generator` (on the model's device) makes it reproducible."""
+    if num_samples < 1 or max_new_tokens < 1:
+        raise ValueError("num_samples and max_new_tokens must be >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    device = model.device
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    enc = tokenizer(prompts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+    prompt_ids = enc["input_ids"].to(device).repeat_interleave(num_samples, dim=0)  # (B, P)
+    prompt_mask = enc["attention_mask"].to(device).repeat_interleave(num_samples, dim=0)  # (B, P)
+    group_ids = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)  # (B,)
+    batch = prompt_ids.shape[0]
+
+    attention_mask = prompt_mask
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: first real token at 0
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=prompt_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    next_pos = positions[:, -1:] + 1  # (B, 1)
+
+    tokens, logps, masks = [], [], []
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        logits = out.logits[:, -1].float()  # (B, V)
+        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        if temperature == 0:
+            tok = logits.argmax(-1)
+        else:
+            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        live = ~done
+        tok = torch.where(live, tok, pad_id)
+        tokens.append(tok)
+        logps.append(torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0))
+        masks.append(live.long())
+        done = done | (tok == eos_id)
+        if bool(done.all()):
+            break
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
+        out = model(
+            input_ids=tok[:, None],
+            attention_mask=attention_mask,
+            position_ids=next_pos,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        next_pos = next_pos + 1
+
+    completion_ids = torch.stack(tokens, dim=1)  # (B, T)
+    return Samples(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=torch.stack(masks, dim=1),
+        logprobs=torch.stack(logps, dim=1),
+        group_ids=group_ids,
+        texts=tokenizer.batch_decode(completion_ids.tolist(), skip_special_tokens=True),
+    )

@@ -1,0 +1,331 @@
+"""Supervised warm start: teach a tiny model a task by teacher forcing until its sampled reward passes a
+target, so RL starts with signal. Checkpoints are cached on disk under a key of everything that
+determines them; `python -m otbrl.tasks.warmstart TASK` builds one from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
+
+from otbrl.tasks.models import PRESETS, tiny_model
+from otbrl.tasks.sampling import sample
+from otbrl.tasks.tasks import TASKS, Task, dataset, get_task
+from otbrl.tasks.tokenizer import char_tokenizer
+
+# Bump when a change to this module, the tasks or the models changes what a warm start produces.
+WARM_START_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    """`$OTBRL_CACHE`, else `~/.cache/otbrl`."""
+    return Path(os.environ.get("OTBRL_CACHE") or Path.home() / ".cache" / "otbrl")
+
+
+def evaluate(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    rows: list[dict[str, str]],
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> float:
+    """Mean reward of one sampled completion per row (at `temperature`, reproducible given `seed`)."""
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    out = sample(
+        model,
+        tokenizer,
+        [r["prompt"] for r in rows],
+        num_samples=1,
+        max_new_tokens=task.max_completion_tokens,
+        temperature=temperature,
+        generator=gen,
+    )
+    return sum(task.reward(c, r["answer"]) for c, r in zip(out.texts, rows, strict=True)) / len(rows)
+
+
+def supervised_batch(
+    tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, str]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forcing batch of `prompt + answer + <eos>`, right-padded.
+
+    Returns input_ids (B, L), attention_mask (B, L), loss_mask (B, L - 1): loss_mask[:, t] is 1 where
+    input_ids[:, t + 1] is an answer or eos token (the target predicted at position t).
+    """
+    prompts = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
+    seqs = [p + a + [tokenizer.eos_token_id] for p, a in zip(prompts, answers, strict=True)]
+    length = max(map(len, seqs))
+    ids = torch.full((len(seqs), length), tokenizer.pad_token_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    target = torch.zeros_like(ids)
+    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        target[i, len(p) : len(s)] = 1
+    return ids, attn, target[:, 1:]
+
+
+def _cache_key(spec: dict[str, Any]) -> str:
+    blob = json.dumps(spec, sort_keys=True).encode()
+    return f"{spec['task']}-{spec['preset']}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide transformers' per-file progress bars while saving or loading a tiny checkpoint."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load(path: Path) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, dict[str, Any]]:
+    with _quiet_transformers():
+        model = Qwen2ForCausalLM.from_pretrained(path).eval()
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    info = json.loads((path / "info.json").read_text())
+    return model, tokenizer, {**info, "cached": True}
+
+
+def _save(path: Path, model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, info: dict) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with _quiet_transformers():
+        model.save_pretrained(tmp)  # safetensors
+        tokenizer.save_pretrained(tmp)
+    (tmp / "info.json").write_text(json.dumps(info, indent=1))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def warm_start(
+    task_name: str,
+    preset: str = "small",
+    *,
+    target_reward: float = 0.3,
+    max_seconds: float = 600.0,
+    seed: int = 0,
+    cache_dir: str | Path | bool | None = None,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    weight_decay: float = 0.1,
+    eval_every: int = 25,
+    eval_size: int = 256,
+    log: Callable[[str], Any] | None = print,
+) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, dict[str, Any]]:
+    """Train `tiny_model(preset, seed=seed)` on fresh `task_name` examples (AdamW, loss on answer and eos
+    tokens only) until the sampled reward (temperature 1, `eval_size` fixed prompts, every `eval_every`
+    steps) reaches `target_reward` or `max_seconds` pass.
+
+    Returns (model in eval mode, tokenizer, info) where info holds steps, seconds, reward, reached, the
+    eval history and `cached`. The result is stored under `cache_dir` (default `default_cache_dir()`);
+    a later call with the same settings loads it instead of training, unless the stored run missed the
+    target with a smaller time budget than asked for now. `cache_dir=False` disables caching. `log`
+    gets progress lines (a tqdm bar is used when tqdm is installed); `None` silences it.
+    """
+    task = get_task(task_name)
+    spec = {
+        "task": task.name,
+        "preset": preset,
+        "seed": seed,
+        "target_reward": target_reward,
+        "batch_size": batch_size,
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "eval_every": eval_every,
+        "eval_size": eval_size,
+        "version": WARM_START_VERSION,
+    }
+    path = None
+    if cache_dir is not False:
+        path = Path(default_cache_dir() if cache_dir in (None, True) else cache_dir) / _cache_key(spec)
+        if (path / "info.json").is_file():
+            info = json.loads((path / "info.json").read_text())
+            if info["reached"] or info["max_seconds"] >= max_seconds:
+                if log:
+                    log(f"warm start: loaded {path} (reward {info['reward']:.3f}, {info['steps']} steps)")
+                return _load(path)
+
+    model, tokenizer, info = _train(task, preset, spec, max_seconds, log)
+    if path is not None:
+        _save(path, model, tokenizer, info)
+        info["path"] = str(path)
+    return model, tokenizer, info
+
+
+def _train(
+    task: Task, preset: str, spec: dict[str, Any], max_seconds: float, log: Callable[[str], Any] | None
+) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, dict[str, Any]]:
+    tokenizer = char_tokenizer()
+    model = tiny_model(preset, vocab_size=len(tokenizer), seed=spec["seed"])
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))  # 20 warmup steps
+    rng = random.Random(f"warm_start:{task.name}:{spec['seed']}")
+    eval_rows = dataset(task, spec["eval_size"], seed=10_000 + spec["seed"])
+    bar = _progress(max_seconds, task.name) if log else None
+
+    def eval_reward() -> float:
+        return evaluate(model.eval(), tokenizer, task, eval_rows, seed=spec["seed"])
+
+    start, step, reward, loss, history = time.perf_counter(), 0, 0.0, float("nan"), []
+    snapshots: list[tuple[int, dict[str, torch.Tensor]]] = []  # states since the last evaluation
+
+    def record(**entry: Any) -> None:
+        history.append({"step": step, "seconds": round(time.perf_counter() - start, 2), **entry})
+
+    while True:
+        pairs = [task.make(rng) for _ in range(spec["batch_size"])]
+        loss = _train_step(model, opt, tokenizer, [{"prompt": p, "answer": a} for p, a in pairs])
+        sched.step()
+        step += 1
+        elapsed = time.perf_counter() - start
+        out_of_time = elapsed >= max_seconds
+        if step % spec["eval_every"] and not out_of_time:
+            snapshots.append((step, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+        else:
+            reward = eval_reward()
+            record(loss=loss, reward=reward)
+            if reward >= spec["target_reward"] and snapshots:  # rewind to where the jump passed the target
+                target = spec["target_reward"]
+                step, reward = _earliest_passing(model, snapshots, step, reward, eval_reward, target)
+                record(reward=reward, rewound=True)
+            snapshots.clear()
+            elapsed = time.perf_counter() - start
+            if bar is None and log:
+                log(f"{task.name}: step {step} {elapsed:.0f}s loss {loss:.3f} reward {reward:.3f}")
+            if reward >= spec["target_reward"] or out_of_time:
+                break
+        if bar is not None:
+            bar.update(min(elapsed, max_seconds) - bar.n)
+            bar.set_postfix(step=step, loss=f"{loss:.3f}", reward=f"{reward:.3f}", refresh=False)
+    if bar is not None:
+        bar.close()
+    if log:
+        log(f"warm start {task.name}/{preset}: reward {reward:.3f} after {step} steps, {elapsed:.0f}s")
+    info = {
+        **spec,
+        "max_seconds": max_seconds,
+        "steps": step,
+        "seconds": round(elapsed, 2),
+        "reward": reward,
+        "reached": reward >= spec["target_reward"],
+        "history": history,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "command": _command(spec, max_seconds),
+        "cached": False,
+    }
+    return model.eval(), tokenizer, info
+
+
+def _train_step(
+    model: Qwen2ForCausalLM,
+    opt: torch.optim.Optimizer,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, str]],
+) -> float:
+    """One AdamW step of teacher forcing, mean cross-entropy over answer and eos tokens; returns the loss."""
+    model.train()
+    ids, attn, target = supervised_batch(tokenizer, rows)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, L-1, V)
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, L-1)
+    loss = (nll * target).sum() / target.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
+def _earliest_passing(
+    model: Qwen2ForCausalLM,
+    snapshots: list[tuple[int, dict[str, torch.Tensor]]],
+    step: int,
+    reward: float,
+    reward_of_model: Callable[[], float],
+    target: float,
+) -> tuple[int, float]:
+    """Warm starts jump suddenly, often far past the target within one evaluation interval. Bisect the
+    states saved since the last (failing) evaluation for the earliest that passes `target`, load it into
+    `model` and return its (step, reward); the current state (`step`, `reward`) passes by assumption."""
+    current = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    candidates = [*snapshots, (step, current)]
+    best, lo, hi = len(candidates) - 1, 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        model.load_state_dict(candidates[mid][1])
+        r = reward_of_model()
+        if r >= target:
+            best, reward, hi = mid, r, mid
+        else:
+            lo = mid + 1
+    model.load_state_dict(candidates[best][1])
+    return candidates[best][0], reward
+
+
+def _command(spec: dict[str, Any], max_seconds: float) -> str:
+    """The command line that rebuilds this checkpoint."""
+    opts = " ".join(
+        f"--{key.replace('_', '-')} {spec[key]}"
+        for key in (
+            "preset",
+            "seed",
+            "target_reward",
+            "batch_size",
+            "lr",
+            "weight_decay",
+            "eval_every",
+            "eval_size",
+        )
+    )
+    return f"python -m otbrl.tasks.warmstart {spec['task']} {opts} --max-seconds {max_seconds}"
+
+
+def _progress(max_seconds: float, name: str):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    fmt = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s {postfix}"
+    return tqdm(total=max_seconds, desc=f"warm start {name}", bar_format=fmt, leave=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: build (or load) a cached warm-start checkpoint and print its info."""
+    p = argparse.ArgumentParser(prog="python -m otbrl.tasks.warmstart", description=main.__doc__)
+    p.add_argument("task", choices=sorted(TASKS))
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target-reward", type=float, default=0.3)
+    p.add_argument("--max-seconds", type=float, default=600.0)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--eval-size", type=int, default=256)
+    p.add_argument("--cache-dir", default=None, help="default: $OTBRL_CACHE or ~/.cache/otbrl")
+    a = vars(p.parse_args(argv))
+    _, _, info = warm_start(a.pop("task"), a.pop("preset"), **a)
+    print(json.dumps({k: v for k, v in info.items() if k != "history"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
