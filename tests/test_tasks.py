@@ -282,3 +282,21 @@ def test_rewind_finds_the_earliest_passing_state():
 
     assert _earliest_passing(model, snapshots, 10, 1.0, reward_of_model, target=0.5) == (6, 1.0)
     assert model.weight.item() == 6.0 and len(calls) <= 4
+
+
+def test_shipped_checkpoint_stands_in_for_the_cache(tmp_path, monkeypatch):
+    from otbrl.tasks import warmstart
+
+    kwargs = dict(target_reward=2.0, max_seconds=1.0, eval_every=5, eval_size=16, log=None)
+    shipped, cache = tmp_path / "shipped", tmp_path / "cache"
+    warm_start("add_reversed", "tiny", cache_dir=shipped, **kwargs)  # what the README's command builds
+    monkeypatch.setattr(warmstart, "SHIPPED", shipped)
+    monkeypatch.setenv("OTBRL_CACHE", str(cache))
+    _, _, info = warm_start("add_reversed", "tiny", **kwargs)
+    assert info["cached"] and not cache.exists()  # loaded from the package, nothing rebuilt
+    before = sorted(p.name for p in shipped.rglob("*"))
+    _, _, info = warm_start(
+        "add_reversed", "tiny", **{**kwargs, "max_seconds": 1.5}
+    )  # a bigger budget rebuilds
+    assert not info["cached"] and (cache / next(shipped.iterdir()).name / "info.json").is_file()
+    assert sorted(p.name for p in shipped.rglob("*")) == before  # ... into the cache, never the package

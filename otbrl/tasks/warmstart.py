@@ -31,6 +31,10 @@ from otbrl.tasks.tokenizer import char_tokenizer
 WARM_START_VERSION = 1
 
 
+# Warm starts that ship inside the package, so a fresh machine need not rebuild them (read-only).
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints"
+
+
 def default_cache_dir() -> Path:
     """`$OTBRL_CACHE`, else `~/.cache/otbrl`."""
     return Path(os.environ.get("OTBRL_CACHE") or Path.home() / ".cache" / "otbrl")
@@ -157,12 +161,18 @@ def warm_start(
     path = None
     if cache_dir is not False:
         path = Path(default_cache_dir() if cache_dir in (None, True) else cache_dir) / _cache_key(spec)
-        if (path / "info.json").is_file():
-            info = json.loads((path / "info.json").read_text())
+        # A checkpoint that ships with otbrl (built by the command in its README) stands in for the
+        # default cache; a new build is always saved to the cache, never into the package.
+        shipped = SHIPPED / _cache_key(spec)
+        found = path
+        if cache_dir in (None, True) and not (path / "info.json").is_file():
+            found = shipped
+        if (found / "info.json").is_file():
+            info = json.loads((found / "info.json").read_text())
             if info["reached"] or info["max_seconds"] >= max_seconds:
                 if log:
-                    log(f"warm start: loaded {path} (reward {info['reward']:.3f}, {info['steps']} steps)")
-                return _load(path)
+                    log(f"warm start: loaded {found} (reward {info['reward']:.3f}, {info['steps']} steps)")
+                return _load(found)
 
     model, tokenizer, info = _train(task, preset, spec, max_seconds, log)
     if path is not None:
