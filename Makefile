@@ -20,11 +20,12 @@ test: $(STAMP) lint
 	$(PY) -m pytest tests
 
 demo: $(STAMP)
-	$(PY) -m otbrl.toy
+	.venv/bin/otbrl demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_advantages.py
 	$(PY) benchmarks/bench_energy.py
+	$(PY) benchmarks/bench_fused.py
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache .hypothesis
