@@ -229,7 +229,8 @@ class OTBGRPOTrainer(GRPOTrainer):
         metrics = self._metrics[mode]
         diag = batch_diagnostics(res.advantages, all_energy, all_mask)
         for key, value in diag.items():
-            metrics[f"otb/{key}"].append(value)
+            if spec.needs_energy or key.startswith("adv/"):  # no energy was computed: it would read 0
+                metrics[f"otb/{key}"].append(value)
         # Reward functions ran on each rank's own completions: add this batch's failures on all ranks to
         # the run's total (logged as a running count).
         failures = sum(getattr(f, "failures", 0) for f in self._guarded)
