@@ -5,6 +5,7 @@ All checks on user input live here, so each estimator can assume finite, masked 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,14 @@ def check_mask(mask: Any) -> torch.Tensor:
             raise ValueError("mask: values must be 0 or 1")
         mask = keep
     return mask
+
+
+def check_temperature(temperature: Any) -> None:
+    """Sampling temperatures must be finite numbers > 0 (booleans are not numbers here)."""
+    if isinstance(temperature, bool) or not (
+        isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
 
 
 def compute_dtype(*values: Any) -> torch.dtype:

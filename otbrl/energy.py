@@ -6,12 +6,11 @@ dtype, and walks the rows in chunks so a (16k, 152k) bf16 input never needs a fu
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
 
-from otbrl.batch import check_mask, check_token_values
+from otbrl.batch import check_mask, check_temperature, check_token_values
 
 # Elements of one float32 working tile (64 MiB). Peak extra memory is a small multiple of this,
 # independent of the number of rows.
@@ -27,10 +26,7 @@ def _check_logits(logits: torch.Tensor, temperature: float) -> None:
         raise ValueError("logits: expected a floating-point tensor of shape (..., V)")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
-    if isinstance(temperature, bool) or not (
-        isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
-    ):
-        raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
+    check_temperature(temperature)
 
 
 def _tiles(logits: torch.Tensor, temperature: float) -> Iterator[tuple[slice, torch.Tensor]]:

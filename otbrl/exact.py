@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.func import functional_call, jacrev
 
-from otbrl.batch import Rollouts
+from otbrl.batch import Rollouts, check_temperature
 from otbrl.estimators import ESTIMATORS, otb, register_estimator
 
 METHODS = ("vmap", "loop")
@@ -45,8 +45,7 @@ def score_sq_norms(
     """
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature: must be > 0, got {temperature!r}")
+    check_temperature(temperature)
     if input_ids.dim() != 2 or mask.dim() != 2 or mask.shape[0] != input_ids.shape[0]:
         raise ValueError(
             f"mask: shape {tuple(mask.shape)} is not (B, T) for input_ids {tuple(input_ids.shape)}"

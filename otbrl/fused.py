@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from otbrl.batch import check_temperature
+
 # Elements of one float32 logits tile on the torch path (16 MiB).
 TILE_ELEMENTS = 1 << 22
 VOCAB_TILE = 8192
@@ -116,10 +118,7 @@ def _check(hidden, weight, tokens, temperature, bias) -> None:
         raise ValueError(f"tokens: ids must lie in [0, {weight.shape[0]})")
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
         raise ValueError(f"bias: expected shape ({weight.shape[0]},)")
-    if isinstance(temperature, bool) or not (
-        isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
-    ):
-        raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
+    check_temperature(temperature)
 
 
 @torch.no_grad()
