@@ -10,7 +10,7 @@ masks), energy uniform in [0, 1). Each (estimator, size) cell runs in a fresh pr
 from __future__ import annotations
 
 import torch
-from common import command_line, in_fresh_process, machine, markdown_table, measure
+from common import command_line, in_fresh_process, markdown_table, measure, write_result
 from torch import Tensor
 
 import otbrl
@@ -173,11 +173,7 @@ def main() -> None:
         + f". OTB <= {TARGET_GRPO_RATIO:.0f}x GRPO time: {met(ratio <= TARGET_GRPO_RATIO)} ({ratio:.2f}x)."
     )
     print(verdict)
-    command = ".venv/bin/python benchmarks/bench_advantages.py" + (" --quick" if quick else "")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        "# Advantage estimators: time and peak memory\n\n"
-        f"Machine: {machine(threads)}.\n\nRegenerate (from the repo root): `{command}`\n\n"
+    description = (
         f"Groups of {GROUP_SIZE}, outcome rewards in {{0, 1}}, response lengths uniform in [T/4, T], "
         "energy uniform in [0, 1). `otb` and `grpo` are `otbrl.compute_advantages` (input validation "
         "included); `group loop` is the same self-inclusive OTB (with zero tail) as a Python loop over "
@@ -186,10 +182,18 @@ def main() -> None:
         "float32 and are checked equal to otbrl's advantages (atol 1e-4) before timing, as is `otb "
         "generated`. `otb loo` (leave-one-out) computes in float64 on purpose: its total-minus-own sums "
         "would cancel in float32. Times are medians after one warm-up call; peak is the extra resident "
-        "memory of one call in a fresh process (VmHWM - VmRSS before).\n\n"
-        f"{table}\n\n{verdict}\n"
+        "memory of one call in a fresh process (VmHWM - VmRSS before)."
     )
-    print(f"wrote {out}")
+    write_result(
+        out,
+        "Advantage estimators: time and peak memory",
+        "bench_advantages.py",
+        quick,
+        threads,
+        description,
+        table,
+        verdict,
+    )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ cell runs in a fresh process.
 from __future__ import annotations
 
 import torch
-from common import command_line, in_fresh_process, machine, markdown_table, measure
+from common import command_line, in_fresh_process, markdown_table, measure, write_result
 from torch import Tensor
 
 import otbrl
@@ -122,20 +122,24 @@ def main() -> None:
         + ") the tile itself grows with rows."
     )
     print(summary)
-    command = ".venv/bin/python benchmarks/bench_energy.py" + (" --quick" if quick else "")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        "# sum pi^2 and token energy: chunked vs naive full softmax\n\n"
-        f"Machine: {machine(threads)}.\n\nRegenerate (from the repo root): `{command}`\n\n"
+    description = (
         "Logits are bf16 `randn * 4`, tokens each row's argmax. `chunked` is `otbrl.sum_pi_squared` / "
         "`otbrl.token_energy`; `naive` is `exp(logsumexp(2z) - 2 logsumexp(z))` and `1 - 2 p_y + sum p^2` on "
         "`z = logits.float()`. Times are medians of 2-5 calls after one warm-up call; peak is the extra "
         "resident memory of one call in a fresh process (VmHWM - VmRSS before, the bf16 input excluded); "
         f"errors are max relative differences from a float64 reference on {ERROR_ROWS} separate confident "
-        "rows (the sampled token's logit 8 to 20 above the rest, as for most tokens of a trained model).\n\n"
-        f"{table}\n\n{summary}\n"
+        "rows (the sampled token's logit 8 to 20 above the rest, as for most tokens of a trained model)."
     )
-    print(f"wrote {out}")
+    write_result(
+        out,
+        "sum pi^2 and token energy: chunked vs naive full softmax",
+        "bench_energy.py",
+        quick,
+        threads,
+        description,
+        table,
+        summary,
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ CPU, torch path (the Triton kernel needs a GPU). Each (method, size) cell runs i
 from __future__ import annotations
 
 import torch
-from common import command_line, in_fresh_process, machine, markdown_table, measure
+from common import command_line, in_fresh_process, markdown_table, measure, write_result
 from torch import Tensor
 
 from otbrl.fused import TILE_ELEMENTS, fused_partial_stats, fused_token_stats
@@ -101,11 +101,7 @@ def main() -> None:
         "(tokens,) outputs, whatever the vocabulary; the materialised peak grows with tokens x vocabulary."
     )
     print(verdict)
-    command = ".venv/bin/python benchmarks/bench_fused.py" + (" --quick" if quick else "")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        "# Fused per-token statistics from hidden states (CPU, torch path)\n\n"
-        f"Machine: {machine(threads)}.\n\nRegenerate (from the repo root): `{command}`\n\n"
+    description = (
         "float32 hidden states (tokens x H) and output head (V x H). `fused all stats` is "
         '`otbrl.fused_token_stats(..., backend="torch")` (log-prob, sum pi^2, energy, entropy); `fused '
         "log-prob only` is the same tiled online pass keeping only the running max, sum of exp and the "
@@ -113,10 +109,18 @@ def main() -> None:
         "formulas (1 - 2 p_y + sum p^2 for the energy). Times are medians of 2-5 calls after a warm-up; "
         "peak is the extra resident memory of one call in a fresh process (inputs excluded).\n\n"
         "No GPU was lent to this task, so the Triton kernel's speed was not measured; it is tested for "
-        "correctness on the CPU through Triton's interpreter.\n\n"
-        f"{table}\n\n{verdict}\n"
+        "correctness on the CPU through Triton's interpreter."
     )
-    print(f"wrote {out}")
+    write_result(
+        out,
+        "Fused per-token statistics from hidden states (CPU, torch path)",
+        "bench_fused.py",
+        quick,
+        threads,
+        description,
+        table,
+        verdict,
+    )
 
 
 if __name__ == "__main__":

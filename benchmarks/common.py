@@ -69,6 +69,20 @@ def command_line(description: str, quick_help: str, filename: str) -> tuple[bool
     return args.quick, out, threads
 
 
+def write_result(
+    out: Path, title: str, script: str, quick: bool, threads: int, description: str, table: str, verdict: str
+) -> None:
+    """Write a results page: title, machine, the command that regenerates it, what was measured, the
+    table and the verdict computed from it."""
+    command = f".venv/bin/python benchmarks/{script}" + (" --quick" if quick else "")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        f"# {title}\n\nMachine: {machine(threads)}.\n\nRegenerate (from the repo root): `{command}`\n\n"
+        f"{description}\n\n{table}\n\n{verdict}\n"
+    )
+    print(f"wrote {out}")
+
+
 def machine(threads: int) -> str:
     cpu = platform.processor() or platform.machine()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
