@@ -3,12 +3,16 @@
 otbrl train --config recipes/NAME.yaml [--resume] [--key value ...]   train with a recipe
 otbrl demo [--key value ...]                                          the embedded default run
 otbrl recipes                                                         list the packaged recipes
+otbrl compare EXPERIMENT [--quick] [--jobs 2]                         runs over estimators x seeds
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from otbrl.studies.compare import compare, experiment_names
 
 from otbrl.train import load_recipe, parse_value, recipe_names, run, summary_table
 
@@ -49,9 +53,30 @@ def main(argv: list[str] | None = None) -> None:
     )
     demo.add_argument("--resume", action="store_true")
     sub.add_parser("recipes", help="list the packaged recipes")
+    comp = sub.add_parser(
+        "compare", help="training runs over arms (estimator, group size, ...) x seeds: table and plot"
+    )
+    comp.add_argument("experiment", help=f"an experiment file, or a packaged one: {', '.join(experiment_names())}")
+    comp.add_argument("--quick", action="store_true", help="the experiment's short version (what CI runs)")
+    comp.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (default 2)")
+    comp.add_argument("--runs-dir", type=Path, help="where runs go (default runs/compare[-quick]/NAME)")
+    comp.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "recipes":
         print("\n".join(recipe_names()))
+        return
+    if args.command == "compare":
+        if rest:
+            raise SystemExit(f"otbrl compare: unexpected arguments {rest}")
+        try:
+            page, failures = compare(
+                args.experiment, quick=args.quick, jobs=args.jobs, runs_dir=args.runs_dir, results=args.results
+            )
+        except ValueError as err:
+            raise SystemExit(f"otbrl: {err}") from None
+        print(f"\nwrote {page} (+ .png, .json)")
+        if failures:
+            raise SystemExit("otbrl compare: failed runs:\n" + "\n".join(failures))
         return
     try:
         recipe = load_recipe("demo" if args.command == "demo" else args.config, parse_overrides(rest))

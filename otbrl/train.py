@@ -1,6 +1,6 @@
 """Run a training recipe: a YAML mapping of otbrl keys (task or dataset, model, reward, warm start) and
 `OTBGRPOConfig` fields. A run writes checkpoints, TensorBoard logs, `metrics.jsonl` (one line per step,
-with the cumulative number of generated tokens), `summary.md` and `curves.png` under its output_dir.
+with the cumulative number of generated tokens), `summary.md` (and `summary.json`) and `curves.png` under its output_dir.
 """
 
 from __future__ import annotations
@@ -273,6 +273,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     after = evaluate_now()
     summary = summarise(out / "metrics.jsonl", config, before, after, seconds)
     (out / "summary.md").write_text(summary_table(summary) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if recipe["plot"]:
         plot_curves(
             out / "metrics.jsonl",
