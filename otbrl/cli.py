@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 from otbrl.studies.compare import compare, experiment_names
-
 from otbrl.train import load_recipe, parse_value, recipe_names, run, summary_table
 
 
@@ -56,7 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     comp = sub.add_parser(
         "compare", help="training runs over arms (estimator, group size, ...) x seeds: table and plot"
     )
-    comp.add_argument("experiment", help=f"an experiment file, or a packaged one: {', '.join(experiment_names())}")
+    comp.add_argument(
+        "experiment", help=f"an experiment file, or a packaged one: {', '.join(experiment_names())}"
+    )
     comp.add_argument("--quick", action="store_true", help="the experiment's short version (what CI runs)")
     comp.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (default 2)")
     comp.add_argument("--runs-dir", type=Path, help="where runs go (default runs/compare[-quick]/NAME)")
@@ -70,7 +71,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"otbrl compare: unexpected arguments {rest}")
         try:
             page, failures = compare(
-                args.experiment, quick=args.quick, jobs=args.jobs, runs_dir=args.runs_dir, results=args.results
+                args.experiment,
+                quick=args.quick,
+                jobs=args.jobs,
+                runs_dir=args.runs_dir,
+                results=args.results,
             )
         except ValueError as err:
             raise SystemExit(f"otbrl: {err}") from None

@@ -1,6 +1,7 @@
 """Run a training recipe: a YAML mapping of otbrl keys (task or dataset, model, reward, warm start) and
 `OTBGRPOConfig` fields. A run writes checkpoints, TensorBoard logs, `metrics.jsonl` (one line per step,
-with the cumulative number of generated tokens), `summary.md` (and `summary.json`) and `curves.png` under its output_dir.
+with the cumulative number of generated tokens), `summary.md`, `summary.json` and `curves.png` under its
+output_dir.
 """
 
 from __future__ import annotations

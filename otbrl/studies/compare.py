@@ -127,8 +127,10 @@ def plan(exp: Experiment, out: Path) -> list[Run]:
 def _is_done(run: Run) -> bool:
     """A run counts as done when it wrote its summary with the same recipe it would be run with now."""
     recipe = run.dir / "run.json"
-    return (run.dir / "summary.json").is_file() and recipe.is_file() and (
-        json.loads(recipe.read_text()) == run.overrides
+    return (
+        (run.dir / "summary.json").is_file()
+        and recipe.is_file()
+        and (json.loads(recipe.read_text()) == run.overrides)
     )
 
 
@@ -292,10 +294,10 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
         saving = s["token_saving"]
         lines.append(
             "| " + " | ".join([
-                arm, str(s["seeds"]), _mean_sd(s["final"]), _mean_sd(s["held_out"]), _mean_sd(s["total_tokens"]),
-                _mean_sd(s["tokens_to_target"]), f"{s['reached']}/{s['seeds']}",
+                arm, str(s["seeds"]), _mean_sd(s["final"]), _mean_sd(s["held_out"]),
+                _mean_sd(s["total_tokens"]), _mean_sd(s["tokens_to_target"]), f"{s['reached']}/{s['seeds']}",
                 "—" if saving is None else f"{100 * saving:.0f}%", str(s["surges"]),
-                f"{len(collapsed)}/{s['seeds']}" + (f" ({', '.join(map(str, collapsed))})" if collapsed else ""),
+                f"{len(collapsed)}/{s['seeds']}" + (f" ({', '.join(map(str, collapsed))})" * bool(collapsed)),
             ]) + " |"
         )  # fmt: skip
     return "\n".join(lines)
@@ -351,21 +353,29 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     arms = "\n".join(f"- `{a}`: {json.dumps(o)}" for a, o in exp.arms.items())
     notes = [
         f"Target: {exp.target_fraction:.0%} of `{exp.reference}`'s final train reward (mean over seeds) = "
-        f"{result['target']:.3f}." if result["target"] is not None else "No reference arm: no target.",
+        f"{result['target']:.3f}."
+        if result["target"] is not None
+        else "No reference arm: no target.",
         "Final train reward: mean of the last 10% of steps. Held-out reward: one sample per held-out prompt "
         "after training. Tokens to target: generated tokens when the centred moving average of the train "
         f"reward ({exp.smooth} steps) first reaches the target, mean ± sd over the seeds that reached it. "
-        f"Collapsed: the smoothed reward fell below {exp.collapse_fraction:.0%} of its best and stayed there.",
+        f"Collapsed: the smoothed reward fell below {exp.collapse_fraction:.0%} of its best and stayed "
+        "there.",
     ]
     failed = "\n".join(f"- {f}" for f in failures) or "none"
     md.write_text(
         f"# Experiment `{exp.name}`\n\n{exp.description}\n\nRegenerate: `{command}` "
         f"(runs resume: finished ones are kept). Wall time of this invocation: {seconds / 60:.1f} min.\n\n"
-        f"Setting: {setting}; prompts per step {exp.prompts_per_step}; seeds {exp.seeds}.\n\nArms:\n{arms}\n\n"
-        f"{table(exp, result)}\n\n" + "\n\n".join(notes) + f"\n\nFailed runs: {failed}\n\n![{exp.name}]({png.name})\n"
+        f"Setting: {setting}; prompts per step {exp.prompts_per_step}; seeds {exp.seeds}.\n\n"
+        f"Arms:\n{arms}\n\n"
+        f"{table(exp, result)}\n\n"
+        + "\n\n".join(notes)
+        + f"\n\nFailed runs: {failed}\n\n![{exp.name}]({png.name})\n"
     )
     summary = {a: {k: v for k, v in s.items()} for a, s in result["arms"].items()}
-    (results / f"{exp.name}.json").write_text(json.dumps({"target": result["target"], "arms": summary}, indent=1))
+    (results / f"{exp.name}.json").write_text(
+        json.dumps({"target": result["target"], "arms": summary}, indent=1)
+    )
     return md
 
 
@@ -378,7 +388,7 @@ def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | N
     runs_dir = runs_dir or root / exp.name
     results = results or (root / "results" if quick else RESULTS)
     runs = plan(exp, runs_dir)
-    log(f"{exp.name}: {len(exp.arms)} arms x {len(exp.seeds)} seeds = {len(runs)} runs in {runs_dir}, {jobs} at a time")
+    log(f"{exp.name}: {len(exp.arms)} arms x {len(exp.seeds)} seeds = {len(runs)} runs in {runs_dir}")
     start = time.perf_counter()
     failures = execute(exp, runs, jobs=jobs, log=log)
     result = analyse(exp, runs)
