@@ -31,6 +31,8 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "eval_size": 128,  # held-out prompts scored before and after training
     "warm_start_target": 0.3,
     "warm_start_seconds": 600.0,
+    "tools": None,  # tool names for multi-turn rollouts (otbrl.multiturn), e.g. [calc]; None: the task's
+    "max_turns": None,  # tool calls per completion; None: the task's (3 without a task)
     "threads": None,  # torch threads; None keeps torch's default
     "plot": True,
 }
@@ -182,6 +184,26 @@ def make_reward(recipe: dict[str, Any]) -> Callable[..., list[float]]:
     return get_reward(recipe["reward"])
 
 
+def tool_settings(recipe: dict[str, Any]) -> tuple[tuple[str, ...], int]:
+    """(tool names, max turns) of a recipe: its own keys, else its built-in task's; () means one turn."""
+    task = None
+    if recipe["task"]:
+        from otbrl.tasks import get_task
+
+        task = get_task(recipe["task"])
+    tools = recipe["tools"] if recipe["tools"] is not None else (task.tools if task else ())
+    if isinstance(tools, str):
+        tools = [tools]
+    turns = recipe["max_turns"] if recipe["max_turns"] is not None else (task.max_turns if task else 3)
+    if tools:
+        from otbrl.multiturn import resolve_tools
+
+        resolve_tools(list(tools))  # unknown names fail here
+        if int(turns) < 1:
+            raise ValueError(f"max_turns: must be >= 1 when tools are given, got {turns}")
+    return tuple(tools), int(turns)
+
+
 @torch.no_grad()
 def evaluate(
     model: Any,
@@ -191,16 +213,26 @@ def evaluate(
     max_new_tokens: int,
     temperature: float,
     seed: int,
+    tools: tuple[str, ...] = (),
+    max_turns: int = 0,
 ) -> float:
-    """Mean reward of one sampled completion per held-out prompt."""
+    """Mean reward of one sampled completion per held-out prompt (with tool calls if `tools`)."""
     from otbrl.tasks import sample
 
     model.eval()
     gen = torch.Generator(device=model.device).manual_seed(seed)
-    out = sample(model, tokenizer, [r["prompt"] for r in rows], 1, max_new_tokens, temperature, generator=gen)
-    scores = reward(
-        prompts=[r["prompt"] for r in rows], completions=out.texts, answer=[r["answer"] for r in rows]
-    )
+    prompts = [r["prompt"] for r in rows]
+    if tools:
+        from otbrl.multiturn import resolve_tools, sample_with_tools
+
+        ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        toolbox = resolve_tools(list(tools))
+        texts = sample_with_tools(
+            model, tokenizer, ids, toolbox, max_new_tokens, max_turns, temperature, generator=gen
+        ).texts
+    else:
+        texts = sample(model, tokenizer, prompts, 1, max_new_tokens, temperature, generator=gen).texts
+    scores = reward(prompts=prompts, completions=texts, answer=[r["answer"] for r in rows])
     return float(sum(scores) / len(scores))
 
 
@@ -246,6 +278,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     # Everything that can be wrong with the recipe fails here, before a warm start or a model load.
     train_rows, eval_rows = load_rows(recipe)
     reward = make_reward(recipe)
+    tools, max_turns = tool_settings(recipe)
     fields = {f.name for f in dataclasses.fields(OTBGRPOConfig)}
     config = OTBGRPOConfig(
         **{k: v for k, v in recipe.items() if k in fields}, use_cpu=not torch.cuda.is_available()
@@ -255,8 +288,9 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     evaluate_now = lambda: evaluate(  # noqa: E731
-        model, tokenizer, eval_rows, reward, config.max_completion_length, config.temperature, recipe["seed"]
-    )
+        model, tokenizer, eval_rows, reward, config.max_completion_length, config.temperature, recipe["seed"],
+        tools, max_turns,
+    )  # fmt: skip
     before = evaluate_now()
     log(f"held-out reward before training: {before:.3f} ({len(eval_rows)} prompts)")
     trainer = OTBGRPOTrainer(
@@ -265,6 +299,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
         args=config,
         train_dataset=Dataset.from_list(train_rows),
         processing_class=tokenizer,
+        **({"rollout_func": _tool_rollouts(tools, max_turns)} if tools else {}),
     )
     trainer.add_callback(_metrics_callback(out / "metrics.jsonl", config.generation_batch_size))
     start = time.perf_counter()
@@ -282,6 +317,15 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
             title=f"{config.advantage_estimator}, N={config.num_generations}",
         )
     return summary
+
+
+def _tool_rollouts(tools: tuple[str, ...], max_turns: int) -> Callable:
+    import os
+
+    from otbrl.multiturn import rollout_func
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns that rollout_func is experimental
+    return rollout_func(list(tools), max_turns)
 
 
 def summarise(metrics: Path, config: Any, before: float, after: float, seconds: float) -> dict[str, Any]:

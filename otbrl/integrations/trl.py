@@ -159,6 +159,7 @@ class OTBGRPOTrainer(GRPOTrainer):
         self._rewards_per_func: torch.Tensor | None = None
         self._failures_seen, self._failures_total = 0, 0.0
         self.last_advantages: torch.Tensor | None = None  # (B_local, T_local) of the latest batch
+        self.last_energy: torch.Tensor | None = None  # (B_local, T_local) w_t of the latest batch
 
     # TRL computes and gathers per-function rewards but does not return them from the scoring step.
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # noqa: ANN001, ANN202
@@ -224,7 +225,7 @@ class OTBGRPOTrainer(GRPOTrainer):
         rank = self.accelerator.process_index
         local = res.advantages[rank * rows : (rank + 1) * rows, :length].to(mask.device)
         out["advantages"] = local  # TRL's loss keeps 2-D advantages as they are
-        self.last_advantages = local
+        self.last_advantages, self.last_energy = local, energy
 
         metrics = self._metrics[mode]
         diag = batch_diagnostics(res.advantages, all_energy, all_mask)
@@ -238,6 +239,9 @@ class OTBGRPOTrainer(GRPOTrainer):
         self._failures_seen = failures
         self._failures_total += self.accelerator.gather(new).sum().item()
         metrics["otb/reward_failures"].append(self._failures_total)
+        if all("tool_calls" in x for x in inputs):  # multi-turn rollouts (otbrl.multiturn) report calls
+            calls = torch.tensor([float(x["tool_calls"]) for x in inputs], device=mask.device)
+            metrics["otb/tool_calls"].append(self.accelerator.gather(calls).mean().item())
         # TRL's completions table shows one advantage per sequence: show the mean over its tokens.
         per_seq = res.advantages.sum(dim=1) / all_mask.sum(dim=1).clamp_min(1)
         table = self._logs["advantages"]  # a deque: drop TRL's entries for this batch, then add ours

@@ -5,6 +5,7 @@ are consecutive rows).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,13 +53,44 @@ def sample(
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     device = model.device
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     enc = tokenizer(prompts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
     prompt_ids = enc["input_ids"].to(device).repeat_interleave(num_samples, dim=0)  # (B, P)
     prompt_mask = enc["attention_mask"].to(device).repeat_interleave(num_samples, dim=0)  # (B, P)
     group_ids = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)  # (B,)
-    batch = prompt_ids.shape[0]
+    completion_ids, completion_mask, logprobs, _ = decode(
+        model, prompt_ids, prompt_mask, max_new_tokens, temperature, tokenizer.eos_token_id,
+        tokenizer.pad_token_id, generator=generator,
+    )  # fmt: skip
+    return Samples(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        logprobs=logprobs,
+        group_ids=group_ids,
+        texts=tokenizer.batch_decode(completion_ids.tolist(), skip_special_tokens=True),
+    )
 
+
+@torch.no_grad()
+def decode(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    max_new_tokens: int | torch.Tensor,
+    temperature: float,
+    eos_id: int,
+    pad_id: int,
+    generator: torch.Generator | None = None,
+    stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The KV-cache sampling loop on left-padded ids (B, P). A row ends at eos, after its own budget
+    (`max_new_tokens`, an int or a (B,) tensor), or when `stop(tokens (B,)) -> (B,) bool` says so (called
+    once per step with the tokens just sampled; it may keep state). Returns completion_ids (B, T) padded
+    with pad, mask (B, T), log-probs (B, T) and why each row ended (B,): 0 eos, 1 budget, 2 stop."""
+    device = prompt_ids.device
+    batch = prompt_ids.shape[0]
+    budget = torch.as_tensor(max_new_tokens, device=device).expand(batch)
     attention_mask = prompt_mask
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: first real token at 0
     cache = DynamicCache(config=model.config)
@@ -73,8 +105,9 @@ def sample(
     next_pos = positions[:, -1:] + 1  # (B, 1)
 
     tokens, logps, masks = [], [], []
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    for _ in range(max_new_tokens):
+    done = budget <= 0
+    reason = torch.ones(batch, dtype=torch.long, device=device)
+    for step in range(int(budget.max().item()) if batch else 0):
         logits = out.logits[:, -1].float()  # (B, V)
         logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
         if temperature == 0:
@@ -86,7 +119,10 @@ def sample(
         tokens.append(tok)
         logps.append(torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0))
         masks.append(live.long())
-        done = done | (tok == eos_id)
+        ended_eos = live & (tok == eos_id)
+        ended_stop = live & ~ended_eos & stop(tok) if stop is not None else torch.zeros_like(live)
+        reason = torch.where(ended_eos, 0, torch.where(ended_stop, 2, reason))
+        done = done | ended_eos | ended_stop | (budget <= step + 1)
         if bool(done.all()):
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
@@ -99,13 +135,7 @@ def sample(
         )
         next_pos = next_pos + 1
 
-    completion_ids = torch.stack(tokens, dim=1)  # (B, T)
-    return Samples(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=completion_ids,
-        completion_mask=torch.stack(masks, dim=1),
-        logprobs=torch.stack(logps, dim=1),
-        group_ids=group_ids,
-        texts=tokenizer.batch_decode(completion_ids.tolist(), skip_special_tokens=True),
-    )
+    if not tokens:
+        empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        return empty, empty, empty.float(), reason
+    return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logps, 1), reason

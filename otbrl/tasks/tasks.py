@@ -19,7 +19,11 @@ class Task:
     """A verifiable task.
 
     `make(rng) -> (prompt, answer)`; `reward(completion, answer) -> 1.0 | 0.0`. `max_completion_tokens`
-    is enough for the longest answer plus the end-of-sequence token.
+    is enough for the longest answer plus the end-of-sequence token (tool output included).
+
+    A task that uses tools (`otbrl.multiturn`) names them in `tools` and gives `demonstrate(prompt,
+    answer, rng) -> [(text, trained), ...]`: a supervised warm start's target, split into the model's
+    own text (trained) and tool output (not trained).
     """
 
     name: str
@@ -27,6 +31,9 @@ class Task:
     max_completion_tokens: int
     make: Callable[[random.Random], tuple[str, str]]
     reward: Callable[[str, str], float]
+    tools: tuple[str, ...] = ()
+    max_turns: int = 0
+    demonstrate: Callable[[str, str, random.Random], list[tuple[str, bool]]] | None = None
 
 
 def clean(completion: str) -> str:
@@ -92,6 +99,32 @@ def running_sum_dense(completion: str, answer: str) -> float:
     return hits / max(len(answer), len(text))  # extra characters count against
 
 
+def make_product3(rng: random.Random) -> tuple[str, str]:
+    """`"37*482*91="` -> `"1622894"`: a 2-digit, a 3-digit and a 2-digit number multiplied. Far beyond
+    what a tiny model computes in its head; easy with a calculator and two calls."""
+    a, b, c = rng.randint(10, 99), rng.randint(100, 999), rng.randint(10, 99)
+    return f"{a}*{b}*{c}=", str(a * b * c)
+
+
+def demonstrate_product3(prompt: str, answer: str, rng: random.Random) -> list[tuple[str, bool]]:
+    """Most demonstrations multiply with two `calc` calls; some (30%) answer directly, as a model that
+    has not learned to rely on the tool would, so the warm start calls the tool only sometimes."""
+    a, b, c = prompt.rstrip("=").split("*")
+    if rng.random() < 0.3:
+        return [(answer, True)]
+    ab = str(int(a) * int(b))
+    return [
+        (f"calc({a}*{b})", True), (f":{ab};", False),
+        (f"calc({ab}*{c})", True), (f":{answer};", False),
+        (answer, True),
+    ]  # fmt: skip
+
+
+def tool_answer_reward(completion: str, answer: str) -> float:
+    """1.0 iff the text after the last tool output (`:...;`) is exactly the answer."""
+    return float(clean(completion).rpartition(";")[2] == answer)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # registry
 # ---------------------------------------------------------------------------------------------------------
@@ -127,6 +160,17 @@ TASKS: dict[str, Task] = {
         ),
         _running_sum_task(16),
         _running_sum_task(48),
+        Task(
+            name="tir_product3",
+            description="multiply three numbers with a calculator tool: '37*482*91=' -> "
+            "'calc(37*482):17834;calc(17834*91):1622894;1622894' (tool output in ':...;', not trained)",
+            max_completion_tokens=64,
+            make=make_product3,
+            reward=tool_answer_reward,
+            tools=("calc",),
+            max_turns=3,
+            demonstrate=demonstrate_product3,
+        ),
     )
 }
 

@@ -50,37 +50,52 @@ def evaluate(
 ) -> float:
     """Mean reward of one sampled completion per row (at `temperature`, reproducible given `seed`)."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
-    out = sample(
-        model,
-        tokenizer,
-        [r["prompt"] for r in rows],
-        num_samples=1,
-        max_new_tokens=task.max_completion_tokens,
-        temperature=temperature,
-        generator=gen,
-    )
-    return sum(task.reward(c, r["answer"]) for c, r in zip(out.texts, rows, strict=True)) / len(rows)
+    prompts = [r["prompt"] for r in rows]
+    if task.tools:
+        from otbrl.multiturn import resolve_tools, sample_with_tools
+
+        ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        texts = sample_with_tools(
+            model, tokenizer, ids, resolve_tools(task.tools), task.max_completion_tokens, task.max_turns,
+            temperature, generator=gen,
+        ).texts  # fmt: skip
+    else:
+        texts = sample(
+            model, tokenizer, prompts, num_samples=1, max_new_tokens=task.max_completion_tokens,
+            temperature=temperature, generator=gen,
+        ).texts  # fmt: skip
+    return sum(task.reward(c, r["answer"]) for c, r in zip(texts, rows, strict=True)) / len(rows)
 
 
 def supervised_batch(
     tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, str]]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Teacher-forcing batch of `prompt + answer + <eos>`, right-padded.
+    """Teacher-forcing batch of `prompt + answer + <eos>` (or `prompt + segments + <eos>` for a row with
+    "segments": [(text, trained), ...]), right-padded.
 
     Returns input_ids (B, L), attention_mask (B, L), loss_mask (B, L - 1): loss_mask[:, t] is 1 where
-    input_ids[:, t + 1] is an answer or eos token (the target predicted at position t).
+    input_ids[:, t + 1] is a trained answer token or eos (the target predicted at position t); tool
+    output inside segments is read but not trained on.
     """
-    prompts = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
-    answers = tokenizer([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
-    seqs = [p + a + [tokenizer.eos_token_id] for p, a in zip(prompts, answers, strict=True)]
+    seqs, trained = [], []
+    for row in rows:
+        prompt = tokenizer.encode(row["prompt"], add_special_tokens=False)
+        parts = row.get("segments") or [(row["answer"], True)]
+        ids, flags = list(prompt), [0] * len(prompt)
+        for text, train in parts:
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids += piece
+            flags += [int(train)] * len(piece)
+        seqs.append([*ids, tokenizer.eos_token_id])
+        trained.append([*flags, 1])
     length = max(map(len, seqs))
     ids = torch.full((len(seqs), length), tokenizer.pad_token_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
     target = torch.zeros_like(ids)
-    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+    for i, (s, t) in enumerate(zip(seqs, trained, strict=True)):
         ids[i, : len(s)] = torch.tensor(s)
         attn[i, : len(s)] = 1
-        target[i, len(p) : len(s)] = 1
+        target[i, : len(s)] = torch.tensor(t)
     return ids, attn, target[:, 1:]
 
 
@@ -203,7 +218,10 @@ def _train(
 
     while True:
         pairs = [task.make(rng) for _ in range(spec["batch_size"])]
-        loss = _train_step(model, opt, tokenizer, [{"prompt": p, "answer": a} for p, a in pairs])
+        batch = [{"prompt": p, "answer": a} for p, a in pairs]
+        if task.demonstrate is not None:
+            batch = [{**r, "segments": task.demonstrate(r["prompt"], r["answer"], rng)} for r in batch]
+        loss = _train_step(model, opt, tokenizer, batch)
         sched.step()
         step += 1
         elapsed = time.perf_counter() - start

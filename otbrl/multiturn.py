@@ -1,0 +1,197 @@
+"""Multi-turn rollouts with tools: the model writes a call `name(arguments)`, generation pauses when the
+call's parentheses close, the tool runs, its output comes back into the context as `:output;` (mask 0:
+never trained on, no energy, no advantage), and generation resumes, up to `max_turns` tool calls.
+
+`rollout_func(tools, max_turns)` plugs this into TRL (`OTBGRPOTrainer(..., rollout_func=...)`): it
+returns TRL's rollout dict with `env_mask`, which TRL turns into the `tool_mask` that the trainer and
+OTB's generated-token alignment use. `sample_with_tools` is the same loop for evaluation and warm starts.
+
+After `max_turns` calls, a further call is left as plain text: it does not pause and gets no output.
+Tool output is cut to fit the completion budget. A tool that raises returns its error as its output;
+the rollout never fails because of a tool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Tool = Callable[[str], str]
+OUTPUT_START, OUTPUT_END = ":", ";"  # around a tool's output in the context
+
+
+def default_tools() -> dict[str, Tool]:
+    """`calc(1+2*3)`: the safe arithmetic calculator; `py(print(1))`: Python in the sandbox."""
+    from otbrl.tools import calculate, run_python
+
+    def py(code: str) -> str:
+        return run_python(code, timeout_s=2, memory_mb=256, max_output_bytes=200).to_text()
+
+    return {"calc": calculate, "py": py}
+
+
+def resolve_tools(names: list[str] | tuple[str, ...] | Mapping[str, Tool]) -> dict[str, Tool]:
+    """Tool names from `default_tools()` (or a mapping name -> callable, passed through)."""
+    if isinstance(names, Mapping):
+        return dict(names)
+    known = default_tools()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"tools: unknown {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    return {n: known[n] for n in names}
+
+
+def find_call(text: str, tools: Mapping[str, Tool]) -> tuple[str, str] | None:
+    """The call that `text` ends with, `name(arguments)` with balanced parentheses, if `name` is a tool."""
+    if not text.endswith(")"):
+        return None
+    depth = 0
+    for i in range(len(text) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(text[i], 0)
+        if depth == 0:
+            head = text[:i]
+            for name in tools:
+                if head.endswith(name) and not head[: len(head) - len(name)][-1:].isalnum():
+                    return name, text[i + 1 : -1]
+            return None
+    return None
+
+
+def run_tool(tools: Mapping[str, Tool], name: str, arguments: str) -> str:
+    try:
+        return str(tools[name](arguments))
+    except Exception as err:  # noqa: BLE001 -- a tool's failure is the model's feedback, not the run's
+        return f"error: {type(err).__name__}: {err}"
+
+
+class _CallCloser:
+    """Stop condition for `decode`: a row pauses when a `)` brings its parenthesis depth back to 0."""
+
+    def __init__(self, open_id: int, close_id: int, active: torch.Tensor) -> None:
+        self.open_id, self.close_id, self.active = open_id, close_id, active
+        self.depth = torch.zeros_like(active, dtype=torch.long)
+
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        closes = (tok == self.close_id) & (self.depth > 0)
+        self.depth = (self.depth + (tok == self.open_id).long() - closes.long()).clamp_min(0)
+        return closes & (self.depth == 0) & self.active
+
+
+@dataclass
+class ToolRollouts:
+    """B rollouts as lists (rows differ in length). Completion = everything after the prompt: model
+    tokens and tool output. `model_mask` is 1 on model tokens, 0 on tool output; `logprobs` are 0 on
+    tool output. `calls` counts executed tool calls per row; `texts` are decoded completions."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    model_mask: list[list[int]]
+    logprobs: list[list[float]]
+    calls: list[int]
+    texts: list[str]
+
+
+@torch.no_grad()
+def sample_with_tools(
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: list[list[int]],
+    tools: Mapping[str, Tool],
+    max_new_tokens: int,
+    max_turns: int = 3,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    workers: int = 4,
+) -> ToolRollouts:
+    """One completion per prompt (repeat prompts for groups), with tool calls executed between turns.
+    Every turn re-reads each unfinished row's whole context (prompt, its tokens, tool output) and samples
+    with a KV cache until eos, the end of its token budget, or a closed tool call."""
+    from otbrl.tasks.sampling import decode
+
+    if max_turns < 0:
+        raise ValueError(f"max_turns: must be >= 0, got {max_turns}")
+    vocab = tokenizer.get_vocab()
+    missing = [c for c in "()" + OUTPUT_START + OUTPUT_END if c not in vocab]
+    if missing:
+        raise ValueError(f"tokenizer: needs single tokens for {missing}, the tool-call syntax")
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    device = model.device
+    rows = len(prompt_ids)
+    completion: list[list[int]] = [[] for _ in range(rows)]
+    mask: list[list[int]] = [[] for _ in range(rows)]
+    logps: list[list[float]] = [[] for _ in range(rows)]
+    calls, running = [0] * rows, list(range(rows))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        while running:
+            contexts = [prompt_ids[r] + completion[r] for r in running]
+            width = max(map(len, contexts))
+            ids = torch.tensor([[pad_id] * (width - len(c)) + c for c in contexts], device=device)
+            attn = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
+            budget = torch.tensor([max_new_tokens - len(completion[r]) for r in running], device=device)
+            can_call = torch.tensor([calls[r] < max_turns for r in running], device=device)
+            stop = _CallCloser(vocab["("], vocab[")"], can_call)
+            new, new_mask, new_logp, why = decode(
+                model, ids, attn, budget, temperature, eos_id, pad_id, generator=generator, stop=stop
+            )
+            pending = []
+            for j, r in enumerate(running):
+                n = int(new_mask[j].sum())
+                completion[r] += new[j, :n].tolist()
+                mask[r] += [1] * n
+                logps[r] += new_logp[j, :n].tolist()
+                if int(why[j]) == 2:  # paused at a closed call: is it a tool call?
+                    text = tokenizer.decode(completion[r], skip_special_tokens=True)
+                    call = find_call(text, tools)
+                    pending.append((r, call))
+            results = pool.map(lambda rc: None if rc[1] is None else run_tool(tools, *rc[1]), pending)
+            running = []
+            for (r, call), output in zip(pending, results, strict=True):
+                room = max_new_tokens - len(completion[r])
+                if call is not None:
+                    calls[r] += 1
+                    out = tokenizer.encode(OUTPUT_START + output + OUTPUT_END, add_special_tokens=False)
+                    out = out[: max(0, room)]
+                    completion[r] += out
+                    mask[r] += [0] * len(out)
+                    logps[r] += [0.0] * len(out)
+                if max_new_tokens - len(completion[r]) > 0:
+                    running.append(r)
+    texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
+    return ToolRollouts(prompt_ids, completion, mask, logps, calls, texts)
+
+
+def rollout_func(
+    tools: list[str] | tuple[str, ...] | Mapping[str, Tool] = ("calc",), max_turns: int = 3, workers: int = 4
+) -> Callable[[list, Any], dict[str, Any]]:
+    """A TRL `rollout_func` that samples with tools: `OTBGRPOTrainer(..., rollout_func=rollout_func())`.
+    Prompts must be plain text. Reward functions receive `tool_calls` (calls executed per completion)."""
+    toolbox = resolve_tools(tools)
+
+    def rollout(prompts: list, trainer: Any) -> dict[str, Any]:
+        if any(not isinstance(p, str) for p in prompts):
+            raise ValueError("rollout_func: tool rollouts take plain-text prompts, not chat messages")
+        tokenizer = trainer.processing_class
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        was_training = model.training
+        model.eval()
+        try:
+            ids = tokenizer(text=prompts, add_special_tokens=False)["input_ids"]
+            out = sample_with_tools(
+                model, tokenizer, ids, toolbox, trainer.max_completion_length, max_turns,
+                trainer.temperature, workers=workers,
+            )  # fmt: skip
+        finally:
+            model.train(was_training)
+        return {
+            "prompt_ids": out.prompt_ids,
+            "completion_ids": out.completion_ids,
+            "logprobs": out.logprobs,
+            "env_mask": out.model_mask,
+            "tool_calls": out.calls,
+        }
+
+    return rollout
