@@ -20,6 +20,7 @@ import resource
 import signal
 import stat
 import sys
+import time
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -32,6 +33,7 @@ MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 SYS_MOUNT_SETATTR = 442  # same number on x86_64 and aarch64
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 1
+MNT_DETACH = 2
 
 # Used when namespaces are unavailable. An audit hook only stops Python-level sockets (ctypes can
 # still reach libc), which is why the sandbox reports this mode as a note.
@@ -48,6 +50,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 _libc.unshare.argtypes = [ctypes.c_int]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _libc.syscall.restype = ctypes.c_long
 
@@ -106,11 +109,25 @@ def _reveal_interpreter(prefix: str, stage: str) -> None:
     _mount(stage, prefix, None, MS_MOVE)
 
 
+def _minimal_dev(stage: str) -> None:
+    """Replace /dev by a tmpfs with only the harmless devices: no GPUs (often mode 666), no disks."""
+    _mount("/dev", stage, None, MS_BIND | MS_REC)
+    _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
+    for name in ("null", "zero", "full", "random", "urandom"):
+        open(f"/dev/{name}", "w").close()
+        _mount(f"{stage}/{name}", f"/dev/{name}", None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"/dev/{name}")
+    _check(_libc.umount2(stage.encode(), MNT_DETACH), "umount staged /dev")
+
+
 def _setup_mounts(cfg: dict) -> None:
     # Private first: nothing mounted below may propagate back to the host's mount namespace.
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     if cfg["uid"] is not None:
         _reveal_interpreter(cfg["prefix"], cfg["stage"])
+    _minimal_dev(cfg["devstage"])
     # The whole filesystem read-only for this namespace; only the fresh working directory is writable.
     attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY, 0, 0, 0)
     ret = _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), 32)
@@ -176,6 +193,7 @@ def _init(cfg: dict, isolated: bool, say) -> None:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, _on_sigterm)
     cfg = json.loads(sys.argv[1])
     status_fd = cfg["status_fd"]
     os.set_inheritable(status_fd, False)  # closed at the user's exec: the code cannot fake a status
@@ -185,6 +203,8 @@ def main() -> None:
 
     isolated = False
     try:
+        if not cfg["namespaces"]:
+            raise OSError("disabled by the caller")
         _unshare(os.geteuid() == 0)
         _setup_mounts(cfg)
         isolated = True
@@ -198,19 +218,77 @@ def main() -> None:
             say("error", f"{cfg['python']} is not readable by an unprivileged uid and namespaces are "
                 "unavailable to hide that; install Python outside a private directory such as /root")
             os._exit(70)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a namespace-less run come back here to be killed
     pid = os.fork()
     if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
             _init(cfg, isolated, say)
         except BaseException as e:  # noqa: BLE001
             say("error", f"sandbox init failed: {e}")
         os._exit(0)  # as pid 1 of the namespace this kills every process still in it
+    global _init_pid
+    _init_pid = pid
     os.close(status_fd)
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
+    _reap(pid, cfg["uid"] if not isolated else None)
     os._exit(0)
+
+
+_init_pid: int | None = None
+
+
+def _on_sigterm(signum, frame) -> None:
+    """The sandbox's way to stop a run: kill init here so that it is reaped here, not by the host's
+    pid 1 (which, in some containers, never reaps and would collect zombies)."""
+    if _init_pid is not None:
+        os.kill(_init_pid, signal.SIGKILL)
+
+
+def _reap(init_pid: int, sweep_uid: int | None) -> None:
+    """Wait for init; then (no namespaces, root) kill and reap whatever still runs as the call's uid,
+    or (no namespaces, not root) reap what has already exited and leave."""
+    global _init_pid
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+        if pid == init_pid:
+            _init_pid = None
+            break
+    for _ in range(1000 if sweep_uid is not None else 1):
+        pids = processes_of_uid(sweep_uid) if sweep_uid is not None else []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            if not pids:
+                return
+        time.sleep(0.002)
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """Live (non-zombie) processes whose real or effective uid is `uid`, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        uids = fields.get("Uid", "").split()
+        if fields.get("State", "").strip().startswith("Z") or len(uids) < 2:
+            continue
+        if uid in (int(uids[0]), int(uids[1])):
+            pids.append(int(entry))
+    return pids
 
 
 def _reachable(path: str) -> bool:

@@ -41,12 +41,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ToolResult", "run_python"]
+from otbrl.tools._launcher import processes_of_uid
+
+__all__ = ["ToolResult", "processes_of_uid", "run_python"]
 
 _LAUNCHER = str(Path(__file__).with_name("_launcher.py"))
 _UID_BASE = 1_000_000_000  # far above real users; pid (< 2**22) * 256 + slot keeps it below 2**31
 _SLOTS = 256
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+# The interpreter for sandboxed code (and the launcher); None: the base interpreter of this one (a
+# venv's packages are not available inside, only the standard library and the base site-packages).
+PYTHON: str | None = None
+_NAMESPACES = True  # tests switch this off to exercise the namespace-less fallback
 _STDERR_HINTS = (  # best effort: how a Python process reports the limit it ran into
     ("MemoryError", "memory"),
     ("Resource temporarily unavailable", "processes"),
@@ -153,14 +159,17 @@ def _run(code: str, uid: int | None, start: float, timeout_s: float, memory_mb: 
         os.chmod(script, 0o644)
         workdir = os.path.join(base, "work")
         os.mkdir(workdir, 0o700)
-        os.mkdir(os.path.join(base, "stage"), 0o700)
+        for stage in ("stage", "devstage"):  # empty mount points for the launcher's staging
+            os.mkdir(os.path.join(base, stage), 0o700)
         if uid is not None:
             os.chown(workdir, uid, uid)  # used as is only when namespaces (and its tmpfs) are unavailable
-        python = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+        python = os.path.realpath(PYTHON or getattr(sys, "_base_executable", None) or sys.executable)
         status_r, status_w = os.pipe()
         cfg = {
-            "status_fd": status_w, "uid": uid, "python": python, "prefix": os.path.realpath(sys.base_prefix),
+            "status_fd": status_w, "uid": uid, "python": python,
+            "prefix": os.path.dirname(os.path.dirname(python)),  # .../bin/python3.11 -> ...
             "script": script, "workdir": workdir, "stage": os.path.join(base, "stage"),
+            "devstage": os.path.join(base, "devstage"), "namespaces": _NAMESPACES,
             "env": {**_ENV, "HOME": workdir, "TMPDIR": workdir},
             "cpu_s": cpu_s, "memory_mb": memory_mb, "fsize": max_file_mb << 20, "nofile": max_open_files,
             # the launcher and init share the user namespace's count when not root
@@ -259,20 +268,23 @@ def _result(out: bytes, err: bytes, status: str, killed_for: str | None, cap: in
 
 
 def _kill_tree(proc: subprocess.Popen, uid: int | None) -> None:
-    """SIGKILL the launcher's process group (the pid namespace dies with its init), then every process
-    still running as the call's uid (escaped the group by setsid, or no namespaces), then reap."""
+    """Stop the run and reap everything: SIGTERM asks the launcher to kill its init (a pid namespace dies
+    with it; without namespaces the launcher kills what runs as the call's uid) and to reap it. SIGKILL
+    to the process group and a uid sweep here are only the backstop for a launcher that does not exit."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # before wait(): the unreaped launcher keeps the pgid ours
-    except ProcessLookupError:
-        pass
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=3)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # before wait(): the unreaped launcher keeps the pgid ours
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    finally:
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()
     if uid is not None:
         _kill_uid(uid)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    for stream in (proc.stdout, proc.stderr):
-        stream.close()
 
 
 def _kill_uid(uid: int, attempts: int = 500) -> None:
@@ -286,25 +298,6 @@ def _kill_uid(uid: int, attempts: int = 500) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.002)
-
-
-def processes_of_uid(uid: int) -> list[int]:
-    """Live (non-zombie) processes whose real or effective uid is `uid`, from /proc."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        uids = fields.get("Uid", "").split()
-        if fields.get("State", "").strip().startswith("Z") or len(uids) < 2:
-            continue
-        if int(uids[0]) == uid or int(uids[1]) == uid:
-            pids.append(int(entry))
-    return pids
 
 
 def _remove(base: str) -> None:
@@ -322,18 +315,25 @@ def _remove(base: str) -> None:
 
 _slot_lock = threading.Condition()
 _slots_used: set[int] = set()
+_next_slot = 0
 
 
 @contextmanager
 def _uid_slot() -> Iterator[int | None]:
-    """A uid no other live call uses (root only; None otherwise). Blocks past 256 concurrent calls."""
+    """A uid no other live call uses (root only; None otherwise). Slots rotate, so a uid that still has
+    unreaped zombies (they count against RLIMIT_NPROC) is not handed out again at once. Blocks past
+    256 concurrent calls."""
+    global _next_slot
     if os.geteuid() != 0:
         yield None
         return
     with _slot_lock:
         while len(_slots_used) >= _SLOTS:
             _slot_lock.wait()
-        slot = min(set(range(_SLOTS)) - _slots_used)
+        while _next_slot in _slots_used:
+            _next_slot = (_next_slot + 1) % _SLOTS
+        slot = _next_slot
+        _next_slot = (_next_slot + 1) % _SLOTS
         _slots_used.add(slot)
     try:
         yield _UID_BASE + os.getpid() * _SLOTS + slot
