@@ -177,7 +177,7 @@ def test_writing_and_deleting_outside_the_working_directory(parent_dir):
         import os, shutil
         for action in (lambda: os.remove({victim!r}),
                        lambda: open({victim!r}, 'w').write('overwritten'),
-                       lambda: open({os.path.join(parent_dir, 'planted.txt')!r}, 'w').write('x'),
+                       lambda: open({os.path.join(parent_dir, "planted.txt")!r}, 'w').write('x'),
                        lambda: shutil.rmtree({parent_dir!r}),
                        lambda: open(os.path.expanduser('~/../main.py'), 'w').write('x')):
             try:
@@ -319,8 +319,14 @@ def no_namespaces(monkeypatch):
         pytest.skip("without namespaces a non-root sandbox shares the caller's uid: not contained")
     python = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     if not _reachable(python):  # e.g. pyenv under /root: namespaces are what make it reachable
-        python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3")
-                       if os.path.exists(p) and _reachable(p)), None)
+        python = next(
+            (
+                p
+                for p in ("/usr/bin/python3", "/usr/local/bin/python3")
+                if os.path.exists(p) and _reachable(p)
+            ),
+            None,
+        )
         if python is None:
             pytest.skip("no interpreter an unprivileged uid can run")
     monkeypatch.setattr(sandbox, "_NAMESPACES", False)

@@ -165,6 +165,11 @@ def test_import_otbrl_does_not_import_the_tools():
     tree = ast.parse(Path(otbrl.__file__).read_text())
     imported = [getattr(n, "module", None) or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    imported += [f"{m}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                 for m in [n.module or ""] for a in n.names]
+    imported += [
+        f"{m}.{a.name}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        for m in [n.module or ""]
+        for a in n.names
+    ]
     assert imported and not any("tools" in name for name in imported)

@@ -116,8 +116,12 @@ def _minimal_dev(stage: str) -> None:
     for name in ("null", "zero", "full", "random", "urandom"):
         open(f"/dev/{name}", "w").close()
         _mount(f"{stage}/{name}", f"/dev/{name}", None, MS_BIND)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"/dev/{name}")
     _check(_libc.umount2(stage.encode(), MNT_DETACH), "umount staged /dev")
 
@@ -148,14 +152,16 @@ def _exec_user(cfg: dict, isolated: bool) -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # set after setuid, which clears it
     cpu = cfg["cpu_s"]
     mem = cfg["memory_mb"] * 1024 * 1024
-    for res, value in (
+    limits = [
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),
         (resource.RLIMIT_AS, (mem, mem)),
-        (resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"])),
         (resource.RLIMIT_FSIZE, (cfg["fsize"], cfg["fsize"])),
         (resource.RLIMIT_NOFILE, (cfg["nofile"], cfg["nofile"])),
         (resource.RLIMIT_CORE, (0, 0)),
-    ):
+    ]
+    if isolated or uid is not None:  # else it would count all of the caller's processes: forks would fail
+        limits.append((resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"])))
+    for res, value in limits:
         resource.setrlimit(res, value)
     os.chdir(cfg["workdir"])
     python = cfg["python"]
@@ -212,11 +218,17 @@ def main() -> None:
         if cfg["require_isolation"]:
             say("error", f"namespace isolation unavailable: {e}")
             os._exit(70)
-        say("note", f"namespaces unavailable ({e}): no network, mount or pid isolation; sockets are "
-            "blocked by an audit hook only and the code may write to world-writable directories")
+        say(
+            "note",
+            f"namespaces unavailable ({e}): no network, mount or pid isolation; sockets are "
+            "blocked by an audit hook only and the code may write to world-writable directories",
+        )
         if cfg["uid"] is not None and not _reachable(cfg["python"]):
-            say("error", f"{cfg['python']} is not readable by an unprivileged uid and namespaces are "
-                "unavailable to hide that; install Python outside a private directory such as /root")
+            say(
+                "error",
+                f"{cfg['python']} is not readable by an unprivileged uid and namespaces are "
+                "unavailable to hide that; install Python outside a private directory such as /root",
+            )
             os._exit(70)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a namespace-less run come back here to be killed
     pid = os.fork()

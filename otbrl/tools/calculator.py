@@ -32,8 +32,14 @@ _BINARY = {
     ast.FloorDiv: lambda a, b: Fraction(a // b),
     ast.Mod: lambda a, b: a % b,
 }
-_SYMBOL = {ast.BitXor: "^ (use ** for powers)", ast.BitAnd: "&", ast.BitOr: "|", ast.LShift: "<<",
-           ast.RShift: ">>", ast.MatMult: "@"}
+_SYMBOL = {
+    ast.BitXor: "^ (use ** for powers)",
+    ast.BitAnd: "&",
+    ast.BitOr: "|",
+    ast.LShift: "<<",
+    ast.RShift: ">>",
+    ast.MatMult: "@",
+}
 
 
 class CalculatorError(ValueError):

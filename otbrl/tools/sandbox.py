@@ -2,12 +2,16 @@
 
 Each call gets a fresh temporary directory and a child process tree (see `_launcher.py`) with:
   * rlimits: CPU seconds, address space (`memory_mb`, per process), processes, file size, open files,
-    no core dumps; a wall-clock deadline after which the whole tree is SIGKILLed;
+    no core dumps; a wall-clock deadline (counted from the call, startup included) after which the
+    whole tree is killed and reaped -- also when the host's pid 1 never reaps orphans;
   * namespaces (mount, network, pid, ipc, uts): no network but an empty loopback, the whole filesystem
-    read-only except a size-limited tmpfs working directory, its own /proc, and every process it started
-    dies with it (pid namespace) -- also children that called setsid or double-forked;
+    read-only except a size-limited tmpfs working directory, its own /proc, a /dev with only null, zero,
+    full, random and urandom (no GPUs), and every process it started dies with it (pid namespace) --
+    also children that called setsid or double-forked; a private /root-style directory holding the
+    interpreter is replaced by a tmpfs that shows only the interpreter's prefix;
   * as root, a uid of its own per call (`_UID_BASE + pid * 256 + slot`), so RLIMIT_NPROC binds (it does
-    not for root), concurrent calls never share a process budget, and leftovers can be swept by uid.
+    not for root), concurrent calls never share a process budget, and leftovers can be swept by uid
+    (trainers in different pid namespaces of one kernel could, rarely, draw the same uid).
     As a non-root user the namespaces come from a user namespace instead, where RLIMIT_NPROC counts
     only the sandbox's own processes (Linux >= 5.14);
   * a scrubbed environment (PATH, HOME, TMPDIR, LANG only) and `python -I` (no PYTHON* variables, no
@@ -137,17 +141,45 @@ def run_python(
         if not isinstance(code, str) or min(limits) <= 0:
             raise ValueError("code must be a str and every limit positive")
         with _uid_slot() as uid:
-            return _run(code, uid, start, timeout_s, memory_mb, max_output_bytes,
-                        cpu_s or max(1, int(-(-timeout_s // 1))), max_processes, max_file_mb,
-                        max_open_files, require_isolation)
+            return _run(
+                code,
+                uid,
+                start,
+                timeout_s,
+                memory_mb,
+                max_output_bytes,
+                cpu_s or max(1, int(-(-timeout_s // 1))),
+                max_processes,
+                max_file_mb,
+                max_open_files,
+                require_isolation,
+            )
     except Exception as e:  # noqa: BLE001 - the trainer must never see an exception from a tool
-        return ToolResult("", "", None, None, time.monotonic() - start, error=f"{type(e).__name__}: {e}",
-                          max_output_bytes=max_output_bytes, timeout_s=timeout_s)
+        return ToolResult(
+            "",
+            "",
+            None,
+            None,
+            time.monotonic() - start,
+            error=f"{type(e).__name__}: {e}",
+            max_output_bytes=max_output_bytes,
+            timeout_s=timeout_s,
+        )
 
 
-def _run(code: str, uid: int | None, start: float, timeout_s: float, memory_mb: int, cap: int,
-         cpu_s: int, max_processes: int, max_file_mb: int, max_open_files: int,
-         require_isolation: bool) -> ToolResult:
+def _run(
+    code: str,
+    uid: int | None,
+    start: float,
+    timeout_s: float,
+    memory_mb: int,
+    cap: int,
+    cpu_s: int,
+    max_processes: int,
+    max_file_mb: int,
+    max_open_files: int,
+    require_isolation: bool,
+) -> ToolResult:
     base = tempfile.mkdtemp(prefix=f"otbrl-sandbox-{os.getpid()}-")  # pid: leak checks per trainer
     proc = None
     status_r = -1
@@ -166,21 +198,36 @@ def _run(code: str, uid: int | None, start: float, timeout_s: float, memory_mb: 
         python = os.path.realpath(PYTHON or getattr(sys, "_base_executable", None) or sys.executable)
         status_r, status_w = os.pipe()
         cfg = {
-            "status_fd": status_w, "uid": uid, "python": python,
+            "status_fd": status_w,
+            "uid": uid,
+            "python": python,
             "prefix": os.path.dirname(os.path.dirname(python)),  # .../bin/python3.11 -> ...
-            "script": script, "workdir": workdir, "stage": os.path.join(base, "stage"),
-            "devstage": os.path.join(base, "devstage"), "namespaces": _NAMESPACES,
+            "script": script,
+            "workdir": workdir,
+            "stage": os.path.join(base, "stage"),
+            "devstage": os.path.join(base, "devstage"),
+            "namespaces": _NAMESPACES,
             "env": {**_ENV, "HOME": workdir, "TMPDIR": workdir},
-            "cpu_s": cpu_s, "memory_mb": memory_mb, "fsize": max_file_mb << 20, "nofile": max_open_files,
+            "cpu_s": cpu_s,
+            "memory_mb": memory_mb,
+            "fsize": max_file_mb << 20,
+            "nofile": max_open_files,
             # the launcher and init share the user namespace's count when not root
             "nproc": max_processes if uid is not None else max_processes + 2,
-            "disk_kb": 4 * max_file_mb << 10, "max_inodes": 4096, "require_isolation": require_isolation,
+            "disk_kb": 4 * max_file_mb << 10,
+            "max_inodes": 4096,
+            "require_isolation": require_isolation,
         }
         try:
             proc = subprocess.Popen(
                 [python, "-I", "-S", _LAUNCHER, json.dumps(cfg)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(status_w,), start_new_session=True, cwd=base, env=dict(_ENV),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(status_w,),
+                start_new_session=True,
+                cwd=base,
+                env=dict(_ENV),
             )
         finally:
             os.close(status_w)
@@ -222,8 +269,12 @@ def _collect(proc: subprocess.Popen, status_r: int, deadline: float, cap: int):
     for fd, buf in bufs.items():  # what the finished process wrote is already in the pipes
         while killed_for == "done" and not _read_ready(fd, buf, cap):
             pass
-    return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), status.decode(), (
-        None if killed_for == "done" else killed_for)
+    return (
+        bytes(bufs[proc.stdout.fileno()]),
+        bytes(bufs[proc.stderr.fileno()]),
+        status.decode(),
+        (None if killed_for == "done" else killed_for),
+    )
 
 
 def _append(buf: bytearray, data: bytes, cap: int) -> bool:
@@ -241,8 +292,9 @@ def _read_ready(fd: int, buf: bytearray, cap: int) -> bool:
     return not data or _append(buf, data, cap)
 
 
-def _result(out: bytes, err: bytes, status: str, killed_for: str | None, cap: int, duration: float,
-            timeout_s: float) -> ToolResult:
+def _result(
+    out: bytes, err: bytes, status: str, killed_for: str | None, cap: int, duration: float, timeout_s: float
+) -> ToolResult:
     notes, errors, exit_code = [], [], None
     for line in status.splitlines():
         kind, _, text = line.partition(" ")
@@ -263,8 +315,9 @@ def _result(out: bytes, err: bytes, status: str, killed_for: str | None, cap: in
     error = None
     if errors or (killed_for is None and exit_code is None):
         error = "; ".join(errors) or f"sandbox launcher failed: {stderr.strip()[-500:] or 'no status'}"
-    return ToolResult(stdout, stderr, exit_code, limit, duration, truncated, error, tuple(notes), cap,
-                      timeout_s)
+    return ToolResult(
+        stdout, stderr, exit_code, limit, duration, truncated, error, tuple(notes), cap, timeout_s
+    )
 
 
 def _kill_tree(proc: subprocess.Popen, uid: int | None) -> None:
@@ -348,4 +401,3 @@ def _signal_name(num: int) -> str:
         return signal.Signals(num).name
     except ValueError:
         return str(num)
-
