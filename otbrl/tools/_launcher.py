@@ -1,0 +1,316 @@
+"""Child-side half of `otbrl.tools.sandbox`: isolates itself, then runs the model's script.
+
+Started as `python -I -S _launcher.py CONFIG_JSON` in a fresh single-threaded process, because
+fork/unshare/setuid are unsafe in a `preexec_fn` of a multi-threaded trainer. Stdlib only, and never
+imports `otbrl` (that would pull in torch). Process tree and protocol:
+
+    launcher   unshares namespaces (mount, net, pid, ipc, uts; plus user when not root), sets up mounts
+      init     pid 1 of the new pid namespace: mounts /proc, reaps orphans, reports, and on exit the
+               kernel kills every process left in the namespace (daemons, setsid'd children, ...)
+        user   drops to the per-call uid (root only), sets rlimits, execs `python -I main.py`
+
+Status lines go to the inherited pipe `status_fd`: "note <text>" (weaker isolation than intended),
+"error <text>" (setup failed) and "exit <wait status>" (the user process finished).
+"""
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import stat
+import sys
+import time
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+SYS_MOUNT_SETATTR = 442  # same number on x86_64 and aarch64
+AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 1
+MNT_DETACH = 2
+
+# Used when namespaces are unavailable. An audit hook only stops Python-level sockets (ctypes can
+# still reach libc), which is why the sandbox reports this mode as a note.
+AUDIT_BOOTSTRAP = """
+import runpy, sys
+def _no_network(event, args):
+    if event.startswith("socket."):
+        raise PermissionError("network access is disabled in this sandbox")
+sys.addaudithook(_no_network)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_libc.syscall.restype = ctypes.c_long
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = [None if s is None else s.encode() for s in (src, target, fstype, data)]
+    _check(_libc.mount(enc[0], enc[1], enc[2], flags, enc[3]), f"mount {target}")
+
+
+def _prctl(option: int, value: int) -> None:
+    _check(_libc.prctl(option, value, 0, 0, 0), f"prctl {option}")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _unshare(root: bool) -> None:
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    if root:
+        _check(_libc.unshare(flags), "unshare")
+        return
+    # An unprivileged user gets the other namespaces through a user namespace in which it keeps its own
+    # uid; it holds capabilities there only until exec. RLIMIT_NPROC is then counted per user namespace
+    # (Linux >= 5.14), so the limit does not include the trainer's own processes.
+    uid, gid = os.getuid(), os.getgid()
+    _check(_libc.unshare(flags | CLONE_NEWUSER), "unshare")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"{uid} {uid} 1")
+    _write("/proc/self/gid_map", f"{gid} {gid} 1")
+
+
+def _reveal_interpreter(prefix: str, stage: str) -> None:
+    """Make `prefix` reachable for the unprivileged uid without changing any path (the interpreter's
+    RUNPATH and compiled-in prefix stay valid): cover the first closed ancestor (e.g. /root, mode 700)
+    with a tmpfs and move a bind mount of `prefix` back to its own path inside it."""
+    parts = prefix.strip("/").split("/")
+    closed = None
+    for i in range(1, len(parts) + 1):
+        path = "/" + "/".join(parts[:i])
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            closed = path
+            break
+    if closed is None:
+        return
+    _mount(prefix, stage, None, MS_BIND | MS_REC)
+    _mount("tmpfs", closed, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+    os.makedirs(prefix, mode=0o755, exist_ok=True)
+    _mount(stage, prefix, None, MS_MOVE)
+
+
+def _minimal_dev(stage: str) -> None:
+    """Replace /dev by a tmpfs with only the harmless devices: no GPUs (often mode 666), no disks."""
+    _mount("/dev", stage, None, MS_BIND | MS_REC)
+    _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
+    for name in ("null", "zero", "full", "random", "urandom"):
+        open(f"/dev/{name}", "w").close()
+        _mount(f"{stage}/{name}", f"/dev/{name}", None, MS_BIND)
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
+        os.symlink(target, f"/dev/{name}")
+    _check(_libc.umount2(stage.encode(), MNT_DETACH), "umount staged /dev")
+
+
+def _setup_mounts(cfg: dict) -> None:
+    # Private first: nothing mounted below may propagate back to the host's mount namespace.
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    if cfg["uid"] is not None:
+        _reveal_interpreter(cfg["prefix"], cfg["stage"])
+    _minimal_dev(cfg["devstage"])
+    # The whole filesystem read-only for this namespace; only the fresh working directory is writable.
+    attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    ret = _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), 32)
+    _check(ret, "mount_setattr read-only")
+    owner = cfg["uid"] if cfg["uid"] is not None else os.getuid()
+    group = cfg["uid"] if cfg["uid"] is not None else os.getgid()
+    opts = f"mode=0700,uid={owner},gid={group},size={cfg['disk_kb']}k,nr_inodes={cfg['max_inodes']}"
+    _mount("tmpfs", cfg["workdir"], "tmpfs", MS_NOSUID | MS_NODEV, opts)
+
+
+def _exec_user(cfg: dict, isolated: bool) -> None:
+    uid = cfg["uid"]
+    if uid is not None:  # root: a fresh uid of its own, so RLIMIT_NPROC binds and DAC protects files
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)  # no setuid binaries (su, ping, ...) regain privileges
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # set after setuid, which clears it
+    cpu = cfg["cpu_s"]
+    mem = cfg["memory_mb"] * 1024 * 1024
+    limits = [
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_AS, (mem, mem)),
+        (resource.RLIMIT_FSIZE, (cfg["fsize"], cfg["fsize"])),
+        (resource.RLIMIT_NOFILE, (cfg["nofile"], cfg["nofile"])),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ]
+    if isolated or uid is not None:  # else it would count all of the caller's processes: forks would fail
+        limits.append((resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"])))
+    for res, value in limits:
+        resource.setrlimit(res, value)
+    os.chdir(cfg["workdir"])
+    python = cfg["python"]
+    if isolated:
+        argv = [python, "-I", cfg["script"]]
+    else:
+        argv = [python, "-I", "-c", AUDIT_BOOTSTRAP, cfg["script"]]
+    os.execve(python, argv, cfg["env"])
+
+
+def _init(cfg: dict, isolated: bool, say) -> None:
+    if isolated:
+        try:  # a /proc of this pid namespace: the code sees only its own processes
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        except OSError as e:
+            say("note", f"host /proc stays visible ({e})")
+    else:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans come back here rather than to the host's init
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    child = os.fork()
+    if child == 0:
+        try:
+            _exec_user(cfg, isolated)
+        except BaseException as e:  # noqa: BLE001 - report anything, the parent must never hang
+            say("error", f"cannot start the interpreter as the sandbox user: {e}")
+        os._exit(71)
+    while True:  # reap orphans too, so zombies do not count against RLIMIT_NPROC
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if pid == child:
+            say("exit", str(status))
+            break
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    cfg = json.loads(sys.argv[1])
+    status_fd = cfg["status_fd"]
+    os.set_inheritable(status_fd, False)  # closed at the user's exec: the code cannot fake a status
+
+    def say(kind: str, text: str) -> None:
+        os.write(status_fd, f"{kind} {' '.join(text.split())}\n".encode())
+
+    isolated = False
+    try:
+        if not cfg["namespaces"]:
+            raise OSError("disabled by the caller")
+        _unshare(os.geteuid() == 0)
+        _setup_mounts(cfg)
+        isolated = True
+    except OSError as e:
+        if cfg["require_isolation"]:
+            say("error", f"namespace isolation unavailable: {e}")
+            os._exit(70)
+        say(
+            "note",
+            f"namespaces unavailable ({e}): no network, mount or pid isolation; sockets are "
+            "blocked by an audit hook only and the code may write to world-writable directories",
+        )
+        if cfg["uid"] is not None and not _reachable(cfg["python"]):
+            say(
+                "error",
+                f"{cfg['python']} is not readable by an unprivileged uid and namespaces are "
+                "unavailable to hide that; install Python outside a private directory such as /root",
+            )
+            os._exit(70)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a namespace-less run come back here to be killed
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            _init(cfg, isolated, say)
+        except BaseException as e:  # noqa: BLE001
+            say("error", f"sandbox init failed: {e}")
+        os._exit(0)  # as pid 1 of the namespace this kills every process still in it
+    global _init_pid
+    _init_pid = pid
+    os.close(status_fd)
+    _reap(pid, cfg["uid"] if not isolated else None)
+    os._exit(0)
+
+
+_init_pid: int | None = None
+
+
+def _on_sigterm(signum, frame) -> None:
+    """The sandbox's way to stop a run: kill init here so that it is reaped here, not by the host's
+    pid 1 (which, in some containers, never reaps and would collect zombies)."""
+    if _init_pid is not None:
+        os.kill(_init_pid, signal.SIGKILL)
+
+
+def _reap(init_pid: int, sweep_uid: int | None) -> None:
+    """Wait for init; then (no namespaces, root) kill and reap whatever still runs as the call's uid,
+    or (no namespaces, not root) reap what has already exited and leave."""
+    global _init_pid
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+        if pid == init_pid:
+            _init_pid = None
+            break
+    for _ in range(1000 if sweep_uid is not None else 1):
+        pids = processes_of_uid(sweep_uid) if sweep_uid is not None else []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            if not pids:
+                return
+        time.sleep(0.002)
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """Live (non-zombie) processes whose real or effective uid is `uid`, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        uids = fields.get("Uid", "").split()
+        if fields.get("State", "").strip().startswith("Z") or len(uids) < 2:
+            continue
+        if uid in (int(uids[0]), int(uids[1])):
+            pids.append(int(entry))
+    return pids
+
+
+def _reachable(path: str) -> bool:
+    """Whether a uid that is neither owner nor group member can traverse to and execute `path`."""
+    parts = os.path.realpath(path).strip("/").split("/")
+    for i in range(1, len(parts) + 1):
+        if not os.stat("/" + "/".join(parts[:i])).st_mode & stat.S_IXOTH:
+            return False
+    return True
+
+
+if __name__ == "__main__":
+    main()

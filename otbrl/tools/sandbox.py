@@ -1,0 +1,403 @@
+"""Run model-written Python in a throwaway, resource-limited process: `run_python(code) -> ToolResult`.
+
+Each call gets a fresh temporary directory and a child process tree (see `_launcher.py`) with:
+  * rlimits: CPU seconds, address space (`memory_mb`, per process), processes, file size, open files,
+    no core dumps; a wall-clock deadline (counted from the call, startup included) after which the
+    whole tree is killed and reaped -- also when the host's pid 1 never reaps orphans;
+  * namespaces (mount, network, pid, ipc, uts): no network but an empty loopback, the whole filesystem
+    read-only except a size-limited tmpfs working directory, its own /proc, a /dev with only null, zero,
+    full, random and urandom (no GPUs), and every process it started dies with it (pid namespace) --
+    also children that called setsid or double-forked; a private /root-style directory holding the
+    interpreter is replaced by a tmpfs that shows only the interpreter's prefix;
+  * as root, a uid of its own per call (`_UID_BASE + pid * 256 + slot`), so RLIMIT_NPROC binds (it does
+    not for root), concurrent calls never share a process budget, and leftovers can be swept by uid
+    (trainers in different pid namespaces of one kernel could, rarely, draw the same uid).
+    As a non-root user the namespaces come from a user namespace instead, where RLIMIT_NPROC counts
+    only the sandbox's own processes (Linux >= 5.14);
+  * a scrubbed environment (PATH, HOME, TMPDIR, LANG only) and `python -I` (no PYTHON* variables, no
+    user site); no file descriptors but stdin (/dev/null), stdout and stderr are inherited;
+  * stdout and stderr each capped at `max_output_bytes`; past that the run is stopped (limit "output").
+
+When namespaces are unavailable (e.g. a container without CAP_SYS_ADMIN) the call still runs, weaker,
+and says so in `ToolResult.notes`: sockets are then blocked by an audit hook only (ctypes can bypass
+it), the code may write to world-writable directories such as /tmp, and as a non-root user without
+namespaces neither the process count nor setsid'd children can be contained. Pass
+`require_isolation=True` to get an error result instead. `memory_mb` bounds each process, so a process
+tree may use up to `memory_mb * max_processes`; cgroups would bound the total but are not used here.
+
+`run_python` never raises: a failure of the sandbox itself comes back as `ToolResult.error`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from otbrl.tools._launcher import processes_of_uid
+
+__all__ = ["ToolResult", "processes_of_uid", "run_python"]
+
+_LAUNCHER = str(Path(__file__).with_name("_launcher.py"))
+_UID_BASE = 1_000_000_000  # far above real users; pid (< 2**22) * 256 + slot keeps it below 2**31
+_SLOTS = 256
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+# The interpreter for sandboxed code (and the launcher); None: the base interpreter of this one (a
+# venv's packages are not available inside, only the standard library and the base site-packages).
+PYTHON: str | None = None
+_NAMESPACES = True  # tests switch this off to exercise the namespace-less fallback
+_STDERR_HINTS = (  # best effort: how a Python process reports the limit it ran into
+    ("MemoryError", "memory"),
+    ("Resource temporarily unavailable", "processes"),
+    ("File too large", "file_size"),
+    ("Too many open files", "open_files"),
+)
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """Outcome of one sandboxed run.
+
+    `exit_code` is the process's exit status, negative for a signal (like `subprocess`), None when the
+    process was killed by the sandbox (timeout, output limit) or never started. `limit_hit` names the
+    limit that ended or hampered the run: None, "timeout", "cpu", "memory", "output", "processes",
+    "file_size" or "open_files". `error` is set only when the sandbox itself failed.
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    limit_hit: str | None
+    duration_s: float
+    truncated: bool = False
+    error: str | None = None
+    notes: tuple[str, ...] = ()
+    max_output_bytes: int = 4096
+    timeout_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.exit_code == 0 and self.limit_hit is None
+
+    def to_text(self) -> str:
+        """The observation for the model: output (stderr tail kept when both must be cut) + status."""
+        if self.error is not None:
+            return f"[sandbox error] {self.error}"
+        out, err, budget = self.stdout, self.stderr, self.max_output_bytes
+        cut = len(out) + len(err) > budget
+        if cut:  # keep the head of stdout and the tail of stderr (where a traceback's message is)
+            keep_err = min(len(err), budget // 2 if out else budget)
+            err = err[len(err) - keep_err :] if keep_err else ""
+            out = out[: budget - keep_err]
+        parts = [out.rstrip("\n")] if out else []
+        if err:
+            parts.append("[stderr]\n" + err.rstrip("\n"))
+        if self.truncated or cut:
+            parts.append(f"[output truncated to {budget} bytes]")
+        if self.limit_hit == "timeout":
+            parts.append(f"[killed: time limit of {self.timeout_s:g} s exceeded]")
+        elif self.limit_hit == "output":
+            parts.append("[killed: output limit exceeded]")
+        elif self.limit_hit is not None:
+            parts.append(f"[{self.limit_hit} limit hit]")
+        if self.exit_code is not None and self.exit_code < 0:
+            parts.append(f"[killed by signal {_signal_name(-self.exit_code)}]")
+        elif self.exit_code:
+            parts.append(f"[exit code {self.exit_code}]")
+        return "\n".join(parts) if parts else "(no output)"
+
+
+def run_python(
+    code: str,
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: int = 256,
+    max_output_bytes: int = 4096,
+    cpu_s: int | None = None,
+    max_processes: int = 16,
+    max_file_mb: int = 16,
+    max_open_files: int = 64,
+    require_isolation: bool = False,
+) -> ToolResult:
+    """Run `code` as a script in a fresh sandbox (see the module docstring) and return what happened.
+
+    `cpu_s` defaults to `ceil(timeout_s)`; `max_processes` counts every process and thread of the run;
+    `max_file_mb` bounds each file and (x4) the working directory. Thread-safe; never raises.
+    """
+    start = time.monotonic()
+    try:
+        limits = (timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_open_files)
+        if not isinstance(code, str) or min(limits) <= 0:
+            raise ValueError("code must be a str and every limit positive")
+        with _uid_slot() as uid:
+            return _run(
+                code,
+                uid,
+                start,
+                timeout_s,
+                memory_mb,
+                max_output_bytes,
+                cpu_s or max(1, int(-(-timeout_s // 1))),
+                max_processes,
+                max_file_mb,
+                max_open_files,
+                require_isolation,
+            )
+    except Exception as e:  # noqa: BLE001 - the trainer must never see an exception from a tool
+        return ToolResult(
+            "",
+            "",
+            None,
+            None,
+            time.monotonic() - start,
+            error=f"{type(e).__name__}: {e}",
+            max_output_bytes=max_output_bytes,
+            timeout_s=timeout_s,
+        )
+
+
+def _run(
+    code: str,
+    uid: int | None,
+    start: float,
+    timeout_s: float,
+    memory_mb: int,
+    cap: int,
+    cpu_s: int,
+    max_processes: int,
+    max_file_mb: int,
+    max_open_files: int,
+    require_isolation: bool,
+) -> ToolResult:
+    base = tempfile.mkdtemp(prefix=f"otbrl-sandbox-{os.getpid()}-")  # pid: leak checks per trainer
+    proc = None
+    status_r = -1
+    try:
+        os.chmod(base, 0o711)  # the sandbox uid may reach main.py and work/, not list the directory
+        script = os.path.join(base, "main.py")
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(code)
+        os.chmod(script, 0o644)
+        workdir = os.path.join(base, "work")
+        os.mkdir(workdir, 0o700)
+        for stage in ("stage", "devstage"):  # empty mount points for the launcher's staging
+            os.mkdir(os.path.join(base, stage), 0o700)
+        if uid is not None:
+            os.chown(workdir, uid, uid)  # used as is only when namespaces (and its tmpfs) are unavailable
+        python = os.path.realpath(PYTHON or getattr(sys, "_base_executable", None) or sys.executable)
+        status_r, status_w = os.pipe()
+        cfg = {
+            "status_fd": status_w,
+            "uid": uid,
+            "python": python,
+            "prefix": os.path.dirname(os.path.dirname(python)),  # .../bin/python3.11 -> ...
+            "script": script,
+            "workdir": workdir,
+            "stage": os.path.join(base, "stage"),
+            "devstage": os.path.join(base, "devstage"),
+            "namespaces": _NAMESPACES,
+            "env": {**_ENV, "HOME": workdir, "TMPDIR": workdir},
+            "cpu_s": cpu_s,
+            "memory_mb": memory_mb,
+            "fsize": max_file_mb << 20,
+            "nofile": max_open_files,
+            # the launcher and init share the user namespace's count when not root
+            "nproc": max_processes if uid is not None else max_processes + 2,
+            "disk_kb": 4 * max_file_mb << 10,
+            "max_inodes": 4096,
+            "require_isolation": require_isolation,
+        }
+        try:
+            proc = subprocess.Popen(
+                [python, "-I", "-S", _LAUNCHER, json.dumps(cfg)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(status_w,),
+                start_new_session=True,
+                cwd=base,
+                env=dict(_ENV),
+            )
+        finally:
+            os.close(status_w)
+        out, err, status, killed_for = _collect(proc, status_r, start + timeout_s, cap)
+    finally:
+        if proc is not None:
+            _kill_tree(proc, uid)
+        if status_r >= 0:
+            os.close(status_r)
+        _remove(base)
+    return _result(out, err, status, killed_for, cap, time.monotonic() - start, timeout_s)
+
+
+def _collect(proc: subprocess.Popen, status_r: int, deadline: float, cap: int):
+    """Read stdout/stderr (each kept up to `cap` bytes) and the launcher's status lines until the user
+    process has been reported finished, the deadline passes, or the output exceeds the cap."""
+    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    status = bytearray()
+    killed_for = None
+    with selectors.DefaultSelector() as sel:
+        for fd in (*bufs, status_r):
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        while killed_for is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                killed_for = "timeout"
+                break
+            for key, _ in sel.select(remaining):
+                data = os.read(key.fd, 65536)
+                if key.fd == status_r:
+                    status += data
+                    if not data:  # init exited: the user process is finished (or never started)
+                        killed_for = "done"
+                elif not data:
+                    sel.unregister(key.fd)
+                elif _append(bufs[key.fd], data, cap):
+                    killed_for = "output"
+    for fd, buf in bufs.items():  # what the finished process wrote is already in the pipes
+        while killed_for == "done" and not _read_ready(fd, buf, cap):
+            pass
+    return (
+        bytes(bufs[proc.stdout.fileno()]),
+        bytes(bufs[proc.stderr.fileno()]),
+        status.decode(),
+        (None if killed_for == "done" else killed_for),
+    )
+
+
+def _append(buf: bytearray, data: bytes, cap: int) -> bool:
+    """Append up to the cap; True once the stream has gone past it."""
+    buf += data[: cap + 1 - len(buf)]
+    return len(buf) > cap
+
+
+def _read_ready(fd: int, buf: bytearray, cap: int) -> bool:
+    """One non-blocking read; True when nothing more is available now (or the cap is reached)."""
+    try:
+        data = os.read(fd, 65536)
+    except BlockingIOError:
+        return True
+    return not data or _append(buf, data, cap)
+
+
+def _result(
+    out: bytes, err: bytes, status: str, killed_for: str | None, cap: int, duration: float, timeout_s: float
+) -> ToolResult:
+    notes, errors, exit_code = [], [], None
+    for line in status.splitlines():
+        kind, _, text = line.partition(" ")
+        if kind == "note":
+            notes.append(text)
+        elif kind == "error":
+            errors.append(text)
+        elif kind == "exit" and killed_for is None:
+            exit_code = os.waitstatus_to_exitcode(int(text))
+    truncated = len(out) > cap or len(err) > cap
+    stdout = out[:cap].decode("utf-8", "replace")
+    stderr = err[:cap].decode("utf-8", "replace")
+    limit = killed_for
+    if limit is None and exit_code == -signal.SIGXCPU:
+        limit = "cpu"
+    elif limit is None and exit_code:
+        limit = next((name for hint, name in _STDERR_HINTS if hint in stderr), None)
+    error = None
+    if errors or (killed_for is None and exit_code is None):
+        error = "; ".join(errors) or f"sandbox launcher failed: {stderr.strip()[-500:] or 'no status'}"
+    return ToolResult(
+        stdout, stderr, exit_code, limit, duration, truncated, error, tuple(notes), cap, timeout_s
+    )
+
+
+def _kill_tree(proc: subprocess.Popen, uid: int | None) -> None:
+    """Stop the run and reap everything: SIGTERM asks the launcher to kill its init (a pid namespace dies
+    with it; without namespaces the launcher kills what runs as the call's uid) and to reap it. SIGKILL
+    to the process group and a uid sweep here are only the backstop for a launcher that does not exit."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=3)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # before wait(): the unreaped launcher keeps the pgid ours
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    finally:
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()
+    if uid is not None:
+        _kill_uid(uid)
+
+
+def _kill_uid(uid: int, attempts: int = 500) -> None:
+    for _ in range(attempts):  # repeat: a fork bomb may fork between the scan and the kill
+        pids = processes_of_uid(uid)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.002)
+
+
+def _remove(base: str) -> None:
+    """Remove the call's directory even if the code chmod'ed things (namespace-less mode)."""
+
+    def make_writable(func, path, _exc) -> None:
+        os.chmod(os.path.dirname(path), 0o700)
+        func(path)
+
+    for root, _, _ in os.walk(base):
+        if root != base and os.path.ismount(root):  # never recurse into a mount (cannot happen: the
+            return  # launcher's mounts live in its own namespace) -- leave it rather than delete through
+    shutil.rmtree(base, onerror=make_writable)
+
+
+_slot_lock = threading.Condition()
+_slots_used: set[int] = set()
+_next_slot = 0
+
+
+@contextmanager
+def _uid_slot() -> Iterator[int | None]:
+    """A uid no other live call uses (root only; None otherwise). Slots rotate, so a uid that still has
+    unreaped zombies (they count against RLIMIT_NPROC) is not handed out again at once. Blocks past
+    256 concurrent calls."""
+    global _next_slot
+    if os.geteuid() != 0:
+        yield None
+        return
+    with _slot_lock:
+        while len(_slots_used) >= _SLOTS:
+            _slot_lock.wait()
+        while _next_slot in _slots_used:
+            _next_slot = (_next_slot + 1) % _SLOTS
+        slot = _next_slot
+        _next_slot = (_next_slot + 1) % _SLOTS
+        _slots_used.add(slot)
+    try:
+        yield _UID_BASE + os.getpid() * _SLOTS + slot
+    finally:
+        with _slot_lock:
+            _slots_used.discard(slot)
+            _slot_lock.notify()
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return str(num)
