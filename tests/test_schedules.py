@@ -413,5 +413,18 @@ def test_trl_config_checks_length_decay_options(tmp_path):
         make_config(tmp_path, length_decay_factor=1.5)  # checked even with length_decay off
     with pytest.raises(ValueError, match="^length_decay_warmup"):
         make_config(tmp_path, length_decay=True, length_decay_window=10, length_decay_warmup=20)
+    assert make_config(tmp_path).length_decay is False
     args = make_config(tmp_path, length_decay=True, length_decay_cooldown=7)
     assert args.length_decay_options() == {**LengthSurgeDecay().config, "cooldown": 7}
+
+
+def test_recipes_take_the_length_decay_keys():
+    pytest.importorskip("yaml")
+    pytest.importorskip("otbrl.integrations.trl")
+    from otbrl.train import load_recipe, recipe_names
+
+    recipe = load_recipe("demo", {"length_decay": True, "length_decay_factor": 0.7})
+    assert recipe["length_decay"] is True and recipe["length_decay_factor"] == 0.7
+    assert not any(load_recipe(name).get("length_decay") for name in recipe_names())  # off by default
+    with pytest.raises(ValueError, match="length_decay_factor"):  # the suggestion for a typo
+        load_recipe("demo", {"length_decay_facter": 0.7})
