@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 import otbrl
 from otbrl.diagnostics import SurgeDetector, batch_diagnostics
+from otbrl.schedules import LengthSurgeDecay
 
 TESTED_TRL = ("1.16", "1.17")  # [low, high): the range this adapter was tested with
 
@@ -57,6 +58,19 @@ class OTBGRPOConfig(GRPOConfig):
         default=3.0, metadata={"help": "grad-norm surge: factor over the running median"}
     )
     surge_window: int = field(default=50, metadata={"help": "grad-norm surge: steps in the running median"})
+    # Length-surge LR decay: otbrl.schedules.LengthSurgeDecay (its docstring has the rule) under
+    # length_decay_<its argument>. Counted in logging steps: it sees one mean length per log.
+    length_decay: bool = field(default=False, metadata={"help": "decay the LR when completion length surges"})
+    length_decay_factor: float = field(default=0.5, metadata={"help": "LR multiplier per trigger"})
+    length_decay_threshold: float = field(default=1.25, metadata={"help": "high: smoothed length/median >"})
+    length_decay_zscore: float = field(default=3.0, metadata={"help": "high: and (length-median)/noise >"})
+    length_decay_smoothing: float = field(default=0.2, metadata={"help": "EMA weight of the newest length"})
+    length_decay_window: int = field(default=50, metadata={"help": "steps in the baseline (median, noise)"})
+    length_decay_warmup: int = field(default=20, metadata={"help": "lengths seen before any trigger"})
+    length_decay_patience: int = field(default=3, metadata={"help": "consecutive high steps that fire"})
+    length_decay_cooldown: int = field(default=20, metadata={"help": "steps with no trigger after one"})
+    length_decay_min_factor: float = field(default=0.1, metadata={"help": "floor of the LR multiplier"})
+    length_decay_on_grad_surge: bool = field(default=False, metadata={"help": "a grad-norm surge fires too"})
     # transformers leaves stateful callbacks (here the surge detector) at their initial state on resume
     # unless asked; a resumed run should continue where it stopped.
     restore_callback_states_from_checkpoint: bool = field(
@@ -83,6 +97,17 @@ class OTBGRPOConfig(GRPOConfig):
                 f"estimator_options: {unknown[0]!r} is not an option of {self.advantage_estimator!r} "
                 f"(its options: {', '.join(spec.options) or 'none'})"
             )
+        try:  # checked even when off, so that a bad value does not wait for the day it is switched on
+            LengthSurgeDecay(**self.length_decay_options())
+        except ValueError as err:
+            raise ValueError(f"length_decay_{err}") from None  # LengthSurgeDecay names the argument first
+
+    def length_decay_options(self) -> dict[str, Any]:
+        """The length_decay_* fields as LengthSurgeDecay's keyword arguments."""
+        prefix = "length_decay_"
+        return {
+            f.name[len(prefix) :]: getattr(self, f.name) for f in fields(self) if f.name.startswith(prefix)
+        }
 
 
 class SurgeCallback(TrainerCallback, ExportableState):
@@ -104,6 +129,55 @@ class SurgeCallback(TrainerCallback, ExportableState):
         d = self.detector
         return {"args": {"factor": d.factor, "window": d.window, "warmup": d.warmup},
                 "attributes": {"detector_state": d.state_dict()}}  # fmt: skip
+
+
+class LengthDecayCallback(TrainerCallback, ExportableState):
+    """Length-surge LR decay (otbrl.schedules.LengthSurgeDecay) for transformers' Trainer; saved in
+    checkpoints and restored on resume. OTBGRPOTrainer adds it when `length_decay` is on and logs
+    otb/lr_decay_factor (the LR multiplier) and otb/lr_decay_trigger (1 on a step that fired).
+
+    With TRL's plain GRPOTrainer pass it in `callbacks=[LengthDecayCallback(...)]` (and set
+    restore_callback_states_from_checkpoint=True): it reads completions/mean_length in `on_log`, after
+    the Trainer has recorded the logs, so its entries reach later callbacks but not state.log_history.
+    The decay itself lives in the optimizer's and scheduler's state (otbrl.schedules.scale_learning_rate),
+    so a resumed run keeps its decayed LR even without this callback."""
+
+    def __init__(self, **options: Any) -> None:
+        self.decay = LengthSurgeDecay(**options)
+        self.last_step = -1  # the global step last observed: one observation per step
+
+    @property
+    def decay_state(self) -> dict:
+        return {**self.decay.state_dict(), "last_step": self.last_step}
+
+    @decay_state.setter
+    def decay_state(self, value: dict) -> None:
+        value = dict(value)
+        self.last_step = int(value.pop("last_step"))
+        self.decay.load_state_dict(value)
+
+    def state(self) -> dict:
+        return {"args": dict(self.decay.config), "attributes": {"decay_state": self.decay_state}}
+
+    def observe(
+        self, step: int, mean_length: float | None, grad_surge: bool, optimizer: Any, lr_scheduler: Any
+    ) -> dict[str, float]:
+        """Feed one step's mean length; apply any decay to the optimizer and scheduler; return log entries."""
+        if step == self.last_step:
+            return {}
+        self.last_step = step
+        self.decay.update(mean_length, optimizer, lr_scheduler, grad_surge=grad_surge)
+        return {
+            "otb/lr_decay_factor": self.decay.multiplier,
+            "otb/lr_decay_trigger": float(bool(self.decay.fired)),
+        }
+
+    def on_log(self, args, state, control, logs=None, optimizer=None, lr_scheduler=None, **kwargs):  # noqa: ANN001, ANN201
+        if logs is not None and "completions/mean_length" in logs and optimizer is not None:
+            logs.update(self.observe(
+                state.global_step, logs["completions/mean_length"], bool(logs.get("otb/grad_norm_surge")),
+                optimizer, lr_scheduler,
+            ))  # fmt: skip
 
 
 class _GuardedReward:
@@ -156,6 +230,8 @@ class OTBGRPOTrainer(GRPOTrainer):
         if not isinstance(self.args, OTBGRPOConfig):
             raise ValueError("args: OTBGRPOTrainer needs an OTBGRPOConfig")
         self.add_callback(SurgeCallback(self.args.surge_factor, self.args.surge_window))
+        if self.args.length_decay:
+            self.add_callback(LengthDecayCallback(**self.args.length_decay_options()))
         self._rewards_per_func: torch.Tensor | None = None
         self._failures_seen, self._failures_total = 0, 0.0
         self.last_advantages: torch.Tensor | None = None  # (B_local, T_local) of the latest batch
@@ -254,4 +330,13 @@ class OTBGRPOTrainer(GRPOTrainer):
         if "grad_norm" in logs:
             callback = next(c for c in self.callback_handler.callbacks if isinstance(c, SurgeCallback))
             logs["otb/grad_norm_surge"] = float(callback.detector.update(logs["grad_norm"]))
+        if self.args.length_decay and self.model.training and "loss" in logs:
+            decay = next(c for c in self.callback_handler.callbacks if isinstance(c, LengthDecayCallback))
+            # TRL puts completions/mean_length (their mean since the last log) in the logs after this point
+            metric = self._metrics["train"].get("completions/mean_length", [])
+            lengths = [x for x in metric if not math.isnan(x)]
+            logs.update(decay.observe(
+                self.state.global_step, sum(lengths) / len(lengths) if lengths else None,
+                bool(logs.get("otb/grad_norm_surge")), self.optimizer, self.lr_scheduler,
+            ))  # fmt: skip
         super().log(logs, start_time)
