@@ -26,12 +26,12 @@ OUTPUT_START, OUTPUT_END = ":", ";"  # around a tool's output in the context
 
 def default_tools() -> dict[str, Tool]:
     """`calc(1+2*3)`: the safe arithmetic calculator; `py(print(1))`: Python in the sandbox."""
-    from otbrl.tools import calculate, run_python
+    from otbrl.tools import calculator, run_python
 
     def py(code: str) -> str:
         return run_python(code, timeout_s=2, memory_mb=256, max_output_bytes=200).to_text()
 
-    return {"calc": calculate, "py": py}
+    return {"calc": calculator, "py": py}
 
 
 def resolve_tools(names: list[str] | tuple[str, ...] | Mapping[str, Tool]) -> dict[str, Tool]:
