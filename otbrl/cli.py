@@ -90,9 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"otbrl: {err}") from None
     print()
     print(summary_table(summary))
-    print(
-        f"\nwrote to {recipe['output_dir']}: summary.md, metrics.jsonl, curves.png, TensorBoard, checkpoints"
-    )
+    files = "summary.md, summary.json, metrics.jsonl" + (", curves.png" if recipe["plot"] else "")
+    print(f"\nwrote to {recipe['output_dir']}: {files}, TensorBoard, checkpoints")
 
 
 if __name__ == "__main__":

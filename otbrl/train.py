@@ -345,6 +345,7 @@ def summarise(metrics: Path, config: Any, before: float, after: float, seconds: 
         "train reward, last 10% of steps": round(sum(rewards[-k:]) / k, 3) if rewards else None,
         "median grad norm": round(sorted(norms)[len(norms) // 2], 4) if norms else None,
         "grad-norm surges": int(sum(r.get("otb/grad_norm_surge", 0) for r in rows)),
+        "lr decay triggers": int(sum(r.get("otb/lr_decay_trigger", 0) for r in rows)),
     }
 
 
