@@ -4,6 +4,7 @@ otbrl train --config recipes/NAME.yaml [--resume] [--key value ...]   train with
 otbrl demo [--key value ...]                                          the embedded default run
 otbrl recipes                                                         list the packaged recipes
 otbrl compare EXPERIMENT [--quick] [--jobs 2]                         runs over estimators x seeds
+otbrl claims [--results docs/results]                                 the claims table from the studies
 """
 
 from __future__ import annotations
@@ -62,7 +63,14 @@ def main(argv: list[str] | None = None) -> None:
     comp.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (default 2)")
     comp.add_argument("--runs-dir", type=Path, help="where runs go (default runs/compare[-quick]/NAME)")
     comp.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
+    claims = sub.add_parser("claims", help="write claims.md from the studies' results (verdicts by rule)")
+    claims.add_argument("--results", type=Path, default=Path("docs/results"))
     args, rest = parser.parse_known_args(argv)
+    if args.command == "claims":
+        from otbrl.studies.claims import write_claims
+
+        print(f"wrote {write_claims(args.results)}")
+        return
     if args.command == "recipes":
         print("\n".join(recipe_names()))
         return

@@ -100,7 +100,7 @@ def test_plan_keeps_the_prompt_budget(tmp_path) -> None:
     assert len(runs) == 6 * 3
     for run in runs:
         n = run.overrides["num_generations"]
-        assert run.overrides["per_device_train_batch_size"] == 8 * n
+        assert run.overrides["per_device_train_batch_size"] == 4 * n
         assert run.overrides["output_dir"] == str(tmp_path / run.arm / f"seed{run.seed}")
 
 

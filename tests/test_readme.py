@@ -37,8 +37,13 @@ def test_readme_lists_every_estimator():
 def test_readme_trl_snippet_names_exist():
     from otbrl.integrations import trl
 
-    (block,) = [b for b in python_blocks() if "OTBGRPOTrainer" in b]
-    compile(block, str(README), "exec")
+    blocks = [b for b in python_blocks() if "OTBGRPOTrainer" in b]
+    assert len(blocks) == 2  # the drop-in swap and the multi-turn rollout_func
+    for block in blocks:
+        compile(block, str(README), "exec")
+    from otbrl.multiturn import rollout_func
+
+    assert callable(rollout_func(["calc", "py"], max_turns=3))
     assert hasattr(trl, "OTBGRPOConfig") and hasattr(trl, "OTBGRPOTrainer")
     args = trl.OTBGRPOConfig(
         output_dir="/tmp/otbrl-readme",

@@ -1,0 +1,62 @@
+"""claims.md: verdicts follow the stated rules on synthetic study results, and a study that has not
+been run is reported as such instead of guessed."""
+
+from __future__ import annotations
+
+import json
+
+from otbrl.studies.claims import efficiency_claim, stability_claim, variance_claim, write_claims
+
+
+def _arm(final, reached, seeds=3, saving=None, collapses=(None, None, None), surges=0, tokens=1000.0):  # noqa: ANN001, ANN202
+    return {"seeds": seeds, "final": list(final), "held_out": list(final), "total_tokens": [tokens] * seeds,
+            "tokens_to_target": [tokens] * reached + [None] * (seeds - reached), "reached": reached,
+            "token_saving": saving, "collapses": list(collapses), "surges": surges,
+            "decays": [[] for _ in range(seeds)], "first_surge": [None] * seeds}  # fmt: skip
+
+
+def _variance(otb: list[float], mean: list[float]) -> dict:
+    per_n = {
+        str(n): {"stats": {"otb": {"rel_var": o, "nsr": 1.0}, "dr_grpo": {"rel_var": m, "nsr": 1.0}}}
+        for n, o, m in zip((4, 8), otb, mean, strict=True)
+    }
+    return {"per_n": per_n, "correlations": {}}
+
+
+def test_variance_verdicts() -> None:
+    assert "**held**" in variance_claim(_variance([0.5, 0.8], [1.0, 1.0]))[2]
+    assert "**partly**" in variance_claim(_variance([0.5, 1.2], [1.0, 1.0]))[2]
+    assert "**did not hold**" in variance_claim(_variance([1.5, 1.2], [1.0, 1.0]))[2]
+    assert "N=4: 0.50" in variance_claim(_variance([0.5, 0.8], [1.0, 1.0]))[1]
+
+
+def test_efficiency_verdicts() -> None:
+    base = {"grpo-N32": _arm([0.9] * 3, 3, saving=0.0, tokens=8000.0)}
+    held = {"target": 0.8, "arms": {**base, "otb-N4": _arm([0.85] * 3, 3, saving=0.7)}}
+    partly = {"target": 0.8, "arms": {**base, "otb-N4": _arm([0.85] * 3, 3, saving=0.5)}}
+    some = {"target": 0.8, "arms": {**base, "otb-N4": _arm([0.7] * 3, 1)}}
+    never = {"target": 0.8, "arms": {**base, "otb-N4": _arm([0.5] * 3, 0)}}
+    assert "**held**" in efficiency_claim(held)[2]
+    assert "**partly**" in efficiency_claim(partly)[2]
+    assert "**partly**" in efficiency_claim(some)[2]
+    assert "**did not hold**" in efficiency_claim(never)[2]
+    assert "70% fewer than grpo-N32" in efficiency_claim(held)[1]
+
+
+def test_stability_verdicts() -> None:
+    collapsing = _arm([0.1] * 3, 0, collapses=(10, 12, None), surges=4)
+    calm = _arm([0.5] * 3, 0)
+    assert "**held**" in stability_claim({"arms": {"dr_grpo-N4": collapsing, "otb-N4": calm}})[2]
+    assert (
+        "**did not hold**" in stability_claim({"arms": {"dr_grpo-N4": collapsing, "otb-N4": collapsing}})[2]
+    )
+    half = _arm([0.3] * 3, 0, collapses=(9, None, None), surges=5)
+    assert "**partly**" in stability_claim({"arms": {"dr_grpo-N4": collapsing, "otb-N4": half}})[2]
+    assert "not tested" in stability_claim({"arms": {"dr_grpo-N4": calm, "otb-N4": calm}})[2]
+
+
+def test_write_claims_reports_what_is_missing(tmp_path) -> None:
+    (tmp_path / "variance.json").write_text(json.dumps(_variance([0.5, 0.8], [1.0, 1.0])))
+    text = write_claims(tmp_path).read_text()
+    assert "| (a) OTB lowers" in text and "**held**" in text
+    assert "Not run yet: efficiency, stress, tir." in text
