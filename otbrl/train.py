@@ -30,6 +30,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "train_size": 4096,  # prompts drawn for a built-in task
     "eval_size": 128,  # held-out prompts scored before and after training
     "warm_start_target": 0.3,
+    "warm_start_seed": 0,  # the warm start's own seed: runs with different `seed`s start from one model
     "warm_start_seconds": 600.0,
     "tools": None,  # tool names for multi-turn rollouts (otbrl.multiturn), e.g. [calc]; None: the task's
     "max_turns": None,  # tool calls per completion; None: the task's (3 without a task)
@@ -146,7 +147,7 @@ def load_model(recipe: dict[str, Any], log: Callable[[str], Any]) -> tuple[Any, 
             preset or "small",
             target_reward=recipe["warm_start_target"],
             max_seconds=recipe["warm_start_seconds"],
-            seed=recipe["seed"],
+            seed=recipe["warm_start_seed"],
             log=log,
         )
         return model, tokenizer
