@@ -15,6 +15,7 @@ pytest.importorskip("otbrl.integrations.trl")
 from otbrl.studies.compare import (  # noqa: E402
     Experiment,
     Run,
+    events,
     analyse,
     centred_average,
     collapse_step,
@@ -78,6 +79,8 @@ def test_analysis_on_known_runs(tmp_path) -> None:
     assert bad["first_surge"] == [3, None]
     text = table(exp, res)
     assert "| small | 2 |" in text and "82%" in text and "1/2 (4)" in text
+
+    assert events(res).splitlines()[2:] == ["| bad | 0 | 3 | — | 4 |"]  # only the run with events
 
 
 def test_experiment_errors(tmp_path) -> None:

@@ -202,7 +202,7 @@ def collapse_step(steps: list[int], smooth: list[float], fraction: float) -> int
     return candidate
 
 
-def analyse_run(run_dir: Path, exp: Experiment) -> dict[str, Any]:
+def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0) -> dict[str, Any]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "reward" in r]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -211,6 +211,7 @@ def analyse_run(run_dir: Path, exp: Experiment) -> dict[str, Any]:
     smooth = centred_average(reward, exp.smooth)
     k = max(1, len(reward) // 10)
     return {
+        "seed": seed,
         "steps": steps,
         "tokens": [r["generated_tokens"] for r in rows],
         "reward": reward,
@@ -249,7 +250,7 @@ def analyse(exp: Experiment, runs: list[Run]) -> dict[str, Any]:
     per_arm: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         if (run.dir / "summary.json").is_file():
-            per_arm.setdefault(run.arm, []).append(analyse_run(run.dir, exp))
+            per_arm.setdefault(run.arm, []).append(analyse_run(run.dir, exp, run.seed))
     target = None
     if exp.reference and per_arm.get(exp.reference):
         target = exp.target_fraction * statistics.fmean(r["final"] for r in per_arm[exp.reference])
@@ -301,6 +302,21 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
             ]) + " |"
         )  # fmt: skip
     return "\n".join(lines)
+
+
+def events(result: dict[str, Any]) -> str:
+    """Per run with any event: first gradient-norm surge, first LR-decay trigger, collapse (steps)."""
+    lines = [
+        "| arm | seed | first grad-norm surge | first LR-decay trigger | collapse |",
+        "|---|---|---|---|---|",
+    ]
+    for arm, runs in result["runs"].items():
+        for r in runs:
+            if r["surges"] or r["decays"] or r["collapse"] is not None:
+                cells = [r["surges"][0] if r["surges"] else "—", r["decays"][0] if r["decays"] else "—",
+                         "—" if r["collapse"] is None else r["collapse"]]  # fmt: skip
+                lines.append(f"| {arm} | {r['seed']} | " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines) if len(lines) > 2 else "No surges, LR-decay triggers or collapses."
 
 
 def plot(exp: Experiment, result: dict[str, Any], png: Path) -> None:
@@ -369,6 +385,7 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
         f"Setting: {setting}; prompts per step {exp.prompts_per_step}; seeds {exp.seeds}.\n\n"
         f"Arms:\n{arms}\n\n"
         f"{table(exp, result)}\n\n"
+        f"Events by run (steps):\n\n{events(result)}\n\n"
         + "\n\n".join(notes)
         + f"\n\nFailed runs: {failed}\n\n![{exp.name}]({png.name})\n"
     )
