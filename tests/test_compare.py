@@ -15,11 +15,11 @@ pytest.importorskip("otbrl.integrations.trl")
 from otbrl.studies.compare import (  # noqa: E402
     Experiment,
     Run,
-    events,
     analyse,
     centred_average,
     collapse_step,
     compare,
+    events,
     experiment_names,
     load_experiment,
     plan,
