@@ -104,6 +104,7 @@ def test_plan_keeps_the_prompt_budget(tmp_path) -> None:
     for run in runs:
         n = run.overrides["num_generations"]
         assert run.overrides["per_device_train_batch_size"] == 4 * n
+        assert run.overrides["max_steps"] == (60 if n == 32 else 150)
         assert run.overrides["output_dir"] == str(tmp_path / run.arm / f"seed{run.seed}")
 
 

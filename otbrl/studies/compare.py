@@ -52,7 +52,8 @@ class Experiment:
     prompts_per_step: int | None = None
     target_fraction: float = 0.9
     collapse_fraction: float = 0.5
-    smooth: int = 9
+    smooth: int = 9  # steps in the centred moving average of the train reward ...
+    smooth_samples: int | None = None  # ... or as many steps as hold this many samples (per arm)
     description: str = ""
 
 
@@ -99,7 +100,7 @@ def load_experiment(spec: str, quick: bool = False) -> Experiment:
             exp.arms = {a: exp.arms[a] for a in keep}
         if exp.reference not in exp.arms:
             exp.reference = None
-        exp.smooth = quick_section.get("smooth", 1)
+        exp.smooth, exp.smooth_samples = quick_section.get("smooth", 1), None
     if exp.reference is not None and exp.reference not in exp.arms:
         raise ValueError(f"experiment {path}: reference {exp.reference!r} is not an arm")
     return exp
@@ -202,13 +203,22 @@ def collapse_step(steps: list[int], smooth: list[float], fraction: float) -> int
     return candidate
 
 
-def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0) -> dict[str, Any]:
+def window(exp: Experiment, batch: int) -> int:
+    """Steps in the reward's moving average for a run with `batch` samples per step. Matched in samples,
+    small-batch arms (noisier per step) average over more steps, so all curves carry the same noise
+    and a first crossing of the target is not won by noise."""
+    if exp.smooth_samples:
+        return max(1, round(exp.smooth_samples / batch))
+    return exp.smooth
+
+
+def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0, batch: int = 1) -> dict[str, Any]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "reward" in r]
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = [r["step"] for r in rows]
     reward = [r["reward"] for r in rows]
-    smooth = centred_average(reward, exp.smooth)
+    smooth = centred_average(reward, window(exp, batch))
     k = max(1, len(reward) // 10)
     return {
         "seed": seed,
@@ -250,7 +260,8 @@ def analyse(exp: Experiment, runs: list[Run]) -> dict[str, Any]:
     per_arm: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         if (run.dir / "summary.json").is_file():
-            per_arm.setdefault(run.arm, []).append(analyse_run(run.dir, exp, run.seed))
+            batch = int(run.overrides.get("per_device_train_batch_size", 1))
+            per_arm.setdefault(run.arm, []).append(analyse_run(run.dir, exp, run.seed, batch))
     target = None
     if exp.reference and per_arm.get(exp.reference):
         target = exp.target_fraction * statistics.fmean(r["final"] for r in per_arm[exp.reference])
@@ -341,7 +352,8 @@ def plot(exp: Experiment, result: dict[str, Any], png: Path) -> None:
                 axes[2].axvline(s, color=c, ls=":", alpha=0.6)
     if result["target"] is not None:
         axes[0].axhline(result["target"], color="grey", ls="--", lw=1, label="target")
-    axes[0].set(xlabel="generated tokens", ylabel=f"train reward (centred mean of {exp.smooth} steps)")
+    span = f"{exp.smooth_samples} samples" if exp.smooth_samples else f"{exp.smooth} steps"
+    axes[0].set(xlabel="generated tokens", ylabel=f"train reward (centred mean over {span})")
     axes[0].set_xscale("log")
     axes[1].set(xlabel="step", ylabel="gradient norm (▼ surge)", yscale="log")
     axes[2].set(xlabel="step", ylabel="mean completion length (: lr decay)")
@@ -374,7 +386,8 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
         else "No reference arm: no target.",
         "Final train reward: mean of the last 10% of steps. Held-out reward: one sample per held-out prompt "
         "after training. Tokens to target: generated tokens when the centred moving average of the train "
-        f"reward ({exp.smooth} steps) first reaches the target, mean ± sd over the seeds that reached it. "
+        f"reward (over {f'{exp.smooth_samples} samples' if exp.smooth_samples else f'{exp.smooth} steps'}) "
+        "first reaches the target, mean ± sd over the seeds that reached it. "
         f"Collapsed: the smoothed reward fell below {exp.collapse_fraction:.0%} of its best and stayed "
         "there.",
     ]
