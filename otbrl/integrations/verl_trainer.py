@@ -84,10 +84,12 @@ class OTBPPOTrainerSync(PPOTrainerSync):
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
         if not self._otbrl_stats:
             return super()._compute_old_log_prob(batch, metrics)
-        batch.extra_info["calculate_sum_pi_squared"] = True
-        batch = super()._compute_old_log_prob(batch, metrics)
-        # Only this pass needs Σπ²: the reference and update passes must not pay for it.
-        batch.extra_info.pop("calculate_sum_pi_squared", None)
+        request = batch
+        request.extra_info["calculate_sum_pi_squared"] = True
+        try:
+            batch = super()._compute_old_log_prob(request, metrics)
+        finally:  # only this pass needs Σπ²: the reference and update passes must not pay for it
+            request.extra_info.pop("calculate_sum_pi_squared", None)
         fields = ["sum_pi_squared", "response_mask"]
         output = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         return tq.kv_batch_put(
