@@ -154,11 +154,15 @@ def _chunked_sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
 
 
 def use_chunked_sum_pi_squared() -> None:
-    """Compute Σπ² in verl's actor with otbrl's chunked pass: float32 accumulation whatever the logits
-    dtype and one working tile instead of full float32 copies of the (tokens, vocab) logits."""
+    """Compute Σπ² in verl's actor with otbrl's chunked passes: from the logits with float32
+    accumulation and one working tile instead of full float32 copies of the (tokens, vocab) logits,
+    and, with verl's fused kernels on (where verl refuses), from the hidden states and output head."""
     from verl.utils import torch_functional
 
+    from otbrl.integrations import verl_fused
+
     torch_functional.calculate_sum_pi_squared_from_logits = _chunked_sum_pi_squared
+    verl_fused.install()
 
 
 register()

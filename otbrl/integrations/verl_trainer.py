@@ -9,10 +9,12 @@ trainer (which needs TransferQueue) is importable.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import transfer_queue as tq
+from omegaconf import OmegaConf
 from tensordict import TensorDict
 from verl.protocol import DataProto
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
@@ -20,7 +22,14 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.utils.padding import response_from_nested
 
-from otbrl.integrations.verl import ESTIMATORS, STATS_FIELD, TRAINER_MODE, token_stats
+from otbrl.integrations.verl import CHUNKED_ENV, ESTIMATORS, STATS_FIELD, TRAINER_MODE, token_stats
+
+
+def chunked_in_workers(config: Any) -> bool:
+    """Whether verl's workers get CHUNKED_ENV=1: from ray_kwargs.ray_init.runtime_env.env_vars, or from
+    this process's environment, which Ray workers started on this node inherit."""
+    env = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars", default=None) or {}
+    return str(env.get(CHUNKED_ENV, os.environ.get(CHUNKED_ENV, "0"))) == "1"
 
 
 def check_config(config: Any) -> bool:
@@ -28,10 +37,11 @@ def check_config(config: Any) -> bool:
     settings under which the actor cannot produce Σπ²."""
     if config.algorithm.adv_estimator not in ESTIMATORS:
         return False
-    if config.actor_rollout_ref.model.get("use_fused_kernels", False):
+    if config.actor_rollout_ref.model.get("use_fused_kernels", False) and not chunked_in_workers(config):
         raise ValueError(
-            "actor_rollout_ref.model.use_fused_kernels: verl's fused kernels never form the logits and "
-            "its FSDP engine refuses to compute Σπ² with them; set it to False for otbrl's OTB"
+            "actor_rollout_ref.model.use_fused_kernels: verl's fused kernels never form the logits and its "
+            f"FSDP engine refuses Σπ² with them; set {CHUNKED_ENV}=1 for the workers (otbrl then computes "
+            "it from the hidden states) or turn fused kernels off"
         )
     correction = config.algorithm.get("rollout_correction", None)
     if correction is not None and correction.get("bypass_mode", False):

@@ -104,13 +104,17 @@ def config(estimator: str, **overrides) -> OmegaConf:
     return OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(overrides))
 
 
-def test_check_config():
+def test_check_config(monkeypatch):
+    monkeypatch.delenv(plugin.CHUNKED_ENV, raising=False)
     assert check_config(config("otbrl_otb")) is True
     assert check_config(config("grpo")) is False
     fused = {"actor_rollout_ref": {"model": {"use_fused_kernels": True}}}
     with pytest.raises(ValueError, match="use_fused_kernels"):
         check_config(config("otbrl_tir_otb", **fused))
     assert check_config(config("grpo", **fused)) is False  # other estimators keep verl's behaviour
+    # With otbrl's chunked Σπ² in the workers, fused kernels are fine (otbrl.integrations.verl_fused).
+    workers = {"ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {plugin.CHUNKED_ENV: "1"}}}}}
+    assert check_config(config("otbrl_tir_otb", **fused, **workers)) is True
     with pytest.raises(ValueError, match="bypass_mode"):
         check_config(config("otbrl_otb_loo", algorithm={"rollout_correction": {"bypass_mode": True}}))
 
