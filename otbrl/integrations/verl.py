@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -87,7 +87,9 @@ def _rewards_onto_policy_tokens(rewards: torch.Tensor, mask: torch.Tensor) -> to
     return torch.where(mask, rewards, 0.0) + moved
 
 
-def _estimator(align: str, leave_one_out: bool):  # noqa: ANN202  (returns verl's estimator signature)
+def _estimator(align: str, leave_one_out: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """An estimator with verl's calling convention for one (alignment, leave-one-out) choice."""
+
     def estimate(
         token_level_rewards: torch.Tensor,
         response_mask: torch.Tensor,
@@ -150,6 +152,7 @@ def register() -> None:
 
 
 def _chunked_sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
+    # verl calls it with logits already divided by the temperature, hence no temperature here.
     return sum_pi_squared(logits)
 
 

@@ -77,6 +77,21 @@ def test_entry_point_registers_estimators_and_trainer_mode():
     assert estimators == {} and plugin.TRAINER_MODE not in trainers
 
 
+def test_chunked_sum_pi_squared_is_installed_at_import_when_asked():
+    probe = (
+        "import verl\n"
+        "from verl.utils import torch_functional as F\n"
+        "from verl.utils.experimental import torch_functional as E\n"
+        "from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead as X\n"
+        "print(F.calculate_sum_pi_squared_from_logits.__module__, E.FusedLinearForPPO.__name__,"
+        " hasattr(X.prepare_model_outputs, 'otbrl_wrapped'))\n"
+    )
+    env = {**os.environ, plugin.CHUNKED_ENV: "1", "OMP_NUM_THREADS": "1"}
+    env.pop("VERL_USE_EXTERNAL_PLUGINS", None)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-3:] == ["otbrl.integrations.verl", "FusedLinearWithSumPiSquared", "True"]
+
+
 @pytest.mark.parametrize("name", sorted(VERL_NAMES))
 @pytest.mark.parametrize("with_is", [False, True])
 @pytest.mark.parametrize("seed", range(4))
