@@ -4,7 +4,12 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: test demo lint bench clean
+# The verl plugin is tested in its own venv: verl pins a transformers range that TRL's does not meet.
+# The constraints file keeps verl's dependencies from replacing the CPU torch installed first.
+VPY     := .venv-verl/bin/python
+VSTAMP  := .venv-verl/.installed
+
+.PHONY: test test-verl demo lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -19,6 +24,18 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest tests
 
+$(VSTAMP): pyproject.toml
+	test -x $(VPY) || python3 -m venv .venv-verl
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q $(TORCH)
+	echo "$(TORCH)" > .venv-verl/constraints.txt
+	$(VPY) -m pip install -q -c .venv-verl/constraints.txt -e ".[verl]" "pytest>=8,<10" "hypothesis>=6.100,<7"
+	touch $(VSTAMP)
+
+# Runs tests/verl only; there verl is required, so a missing verl fails instead of skipping.
+test-verl: $(VSTAMP)
+	OTBRL_REQUIRE_VERL=1 $(VPY) -m pytest tests/verl
+
 demo: $(STAMP)
 	.venv/bin/otbrl demo
 
@@ -28,4 +45,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_fused.py
 
 clean:
-	rm -rf .venv .pytest_cache .ruff_cache .hypothesis
+	rm -rf .venv .venv-verl .pytest_cache .ruff_cache .hypothesis
