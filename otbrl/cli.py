@@ -3,6 +3,7 @@
 otbrl train --config recipes/NAME.yaml [--resume] [--key value ...]   train with a recipe
 otbrl demo [--key value ...]                                          the embedded default run
 otbrl recipes                                                         list the packaged recipes
+otbrl variance [--quick] [--out DIR] [...]                            estimators' gradient variance
 """
 
 from __future__ import annotations
@@ -49,9 +50,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     demo.add_argument("--resume", action="store_true")
     sub.add_parser("recipes", help="list the packaged recipes")
+    from otbrl.studies import variance
+
+    variance.add_arguments(
+        sub.add_parser("variance", help="gradient variance of each estimator at a fixed checkpoint")
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "recipes":
         print("\n".join(recipe_names()))
+        return
+    if args.command == "variance":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        try:
+            variance.main(args)
+        except ValueError as err:
+            raise SystemExit(f"otbrl: {err}") from None
         return
     try:
         recipe = load_recipe("demo" if args.command == "demo" else args.config, parse_overrides(rest))
