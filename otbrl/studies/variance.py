@@ -65,10 +65,10 @@ class Config:
     preset: str = "small"
     estimators: tuple[str, ...] = tuple(SETTINGS)
     group_sizes: tuple[int, ...] = (4, 8, 16, 32)
-    k: int = 32  # independent batches per N
+    k: int = 24  # independent batches per N
     prompts: int = 16  # prompts per batch
-    exact_batches: int = 8  # of the K batches per N, those that also get exact score norms
-    ref_batches: int = 32  # chunks of the reference gradient
+    exact_batches: int = 4  # of the K batches per N, those that also get exact score norms
+    ref_batches: int = 24  # chunks of the reference gradient
     seed: int = 0
     quick: bool = False
 
