@@ -66,14 +66,14 @@ class Config:
     estimators: tuple[str, ...] = tuple(SETTINGS)
     group_sizes: tuple[int, ...] = (4, 8, 16, 32)
     k: int = 24  # independent batches per N
-    prompts: int = 16  # prompts per batch
+    prompts: int = 8  # prompts per batch
     exact_batches: int = 4  # of the K batches per N, those that also get exact score norms
-    ref_batches: int = 24  # chunks of the reference gradient
+    ref_batches: int = 32  # chunks of the reference gradient
     seed: int = 0
     quick: bool = False
 
 
-QUICK = {"group_sizes": (4, 8), "k": 5, "prompts": 8, "exact_batches": 2, "ref_batches": 4}
+QUICK = {"group_sizes": (4, 8), "k": 5, "prompts": 6, "exact_batches": 2, "ref_batches": 4}
 
 
 # ----------------------------------------------------------------------------------------------------
