@@ -19,7 +19,6 @@ def setup():
     from otbrl.tasks import char_tokenizer, dataset, get_task, tiny_model
 
     model = tiny_model("tiny", seed=0).double()  # random weights: varied completion lengths
-    model.set_attn_implementation("eager")  # as the study does (vmap has no rule for sdpa backward)
     task = get_task("reverse")  # prompts of 6-10 letters: rows get different left padding
     rows = dataset(task, 3, seed=0)
     r = v.draw(model, char_tokenizer(), task, rows, 2, torch.Generator().manual_seed(0))
@@ -58,9 +57,7 @@ def test_gradients_and_exact_norms_match_per_token_autograd(setup):
     got = v.policy_gradients(model, logp, advantages)
     rows = r.mask.shape[0]
     for name, adv in advantages.items():
-        want = sum(
-            adv[i, t].double() * torch.cat([s.reshape(-1) for s in g]) for (i, t), g in scores.items()
-        )
+        want = sum(adv[i, t].double() * torch.cat([s.reshape(-1) for s in g]) for (i, t), g in scores.items())
         torch.testing.assert_close(got[name], want / rows, msg=name)
     exact = v.exact_energy(model, r)
     want = torch.zeros(r.mask.shape, dtype=torch.float64)
