@@ -441,6 +441,20 @@ def command(cfg: Config) -> str:
     return " ".join(parts)
 
 
+def reading_notes(cfg: Config) -> str:
+    """How to read the N dependence and the small-K rows (no numbers: those come from the tables)."""
+    return (
+        f"Reading the N dependence: with {cfg.prompts} prompts per batch the variance is roughly a + b/N, "
+        "where a is the spread of the per-prompt expected gradients (no baseline removes it) and b/N the "
+        "within-group noise that baselines reduce. Where a dominates, every curve flattens and the ratios "
+        'drift toward 1 as N grows; "needs N > ..." means the group mean does not reach OTB\'s level '
+        f"anywhere in the measured range. The otb_exact rows rest on {min(cfg.exact_batches, cfg.k)} "
+        "batches per N: their noise-to-signal and cosine are not comparable with the other rows. Exact "
+        "score norms span many orders of magnitude (see the scatter), so a few batches carry much of each "
+        "variance estimate and the jackknife errors are rough."
+    )
+
+
 def report(res: dict[str, Any]) -> str:
     cfg = Config(**{**res["config"], "estimators": tuple(res["config"]["estimators"])})
     ns = list(res["per_n"])
@@ -544,7 +558,7 @@ def report(res: dict[str, Any]) -> str:
                 f"- At N={n}, OTB's gradient variance is {ratio:.2f}x the group mean's; the group mean "
                 f"needs N {match} to match it."
             )
-        lines += ["What the numbers say:", "", *verdict, ""]
+        lines += ["What the numbers say:", "", *verdict, "", reading_notes(cfg), ""]
     corr = res["correlations"]
     if corr:
         lines += [
