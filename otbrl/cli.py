@@ -5,6 +5,7 @@ otbrl demo [--key value ...]                                          the embedd
 otbrl recipes                                                         list the packaged recipes
 otbrl compare EXPERIMENT [--quick] [--jobs 2]                         runs over estimators x seeds
 otbrl claims [--results docs/results]                                 the claims table from the studies
+otbrl variance [--quick] [--out DIR] [...]                            estimators' gradient variance
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     comp.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
     claims = sub.add_parser("claims", help="write claims.md from the studies' results (verdicts by rule)")
     claims.add_argument("--results", type=Path, default=Path("docs/results"))
+    from otbrl.studies import variance
+
+    variance.add_arguments(
+        sub.add_parser("variance", help="gradient variance of each estimator at a fixed checkpoint")
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "claims":
         from otbrl.studies.claims import write_claims
@@ -90,6 +96,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nwrote {page} (+ .png, .json)")
         if failures:
             raise SystemExit("otbrl compare: failed runs:\n" + "\n".join(failures))
+        return
+    if args.command == "variance":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        try:
+            variance.main(args)
+        except ValueError as err:
+            raise SystemExit(f"otbrl: {err}") from None
         return
     try:
         recipe = load_recipe("demo" if args.command == "demo" else args.config, parse_overrides(rest))
