@@ -114,6 +114,10 @@ def test_quick_run_writes_the_table_with_every_estimator(tmp_path, capsys):
     main(["variance", "--quick", "--out", str(tmp_path)])
     text = (tmp_path / "variance.md").read_text()
     assert (tmp_path / "variance.png").stat().st_size > 10_000
+    import json
+
+    numbers = json.loads((tmp_path / "variance.json").read_text())
+    assert set(numbers["per_n"]) == {"4", "8"} and "otb" in numbers["per_n"]["4"]["stats"]
     assert "Regenerate" in text and "--quick" in text
     section = text.split("## Relative variance")[1].split("##")[0]
     for label in v.SETTINGS:

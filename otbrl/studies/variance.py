@@ -27,6 +27,7 @@ Method (repeated on the results page):
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -620,7 +621,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_title("relative gradient variance")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(0.0, -0.15), frameon=False)
     corr = res["correlations"]
     for ax, key, label in zip(
         axes[0, 1:], ("token", "sequence"), ("token w_t", "sequence W_T"), strict=False
@@ -636,7 +637,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend sits below the first panel
     plt.close(fig)
 
 
@@ -689,7 +690,11 @@ def main(args: argparse.Namespace) -> Path:
     text = report(res)
     out.mkdir(parents=True, exist_ok=True)
     (out / "variance.md").write_text(text)
+    # The numbers behind the page (everything but the scatter tensors), for otbrl claims and readers.
+    numbers = {k: v for k, v in res.items() if k != "scatter"}
+    numbers["per_n"] = {str(n): block for n, block in res["per_n"].items()}
+    (out / "variance.json").write_text(json.dumps(numbers, indent=1, default=float))
     plot(res, out / "variance.png")
     print(text)
-    print(f"wrote {out / 'variance.md'} and {out / 'variance.png'}")
+    print(f"wrote {out / 'variance.md'}, .json and .png")
     return out / "variance.md"
