@@ -258,3 +258,28 @@ def test_trl_tool_tokens_get_no_energy_and_no_advantage(tmp_path) -> None:
     assert [x["tool_calls"] for x in Probe.inputs] == per_row  # reward functions see the calls too
     assert calls == [pytest.approx(sum(per_row) / 16)]
     assert {t.count(";") for t in texts} == {0, 1, 2}  # every path was taken
+
+
+def test_tool_timeout_inside_a_rollout() -> None:
+    """Model-written code that never ends: the sandbox kills it at its time limit, the rollout gets the
+    report as tool output (mask 0) and goes on to the end of the turn."""
+    from otbrl.tools import run_python
+
+    results = []
+
+    def py(code: str) -> str:
+        results.append(run_python(code, timeout_s=1.0, memory_mb=128, max_output_bytes=200))
+        return results[-1].to_text()
+
+    def loop_then_answer(prompt: str, done: str) -> str | None:
+        call = "py(while 1: pass)"
+        if len(done) < len(call):
+            return call[len(done)]
+        return "7" if done.endswith(";") else None
+
+    out = rollout(["1*2*3="], {"py": py}, script=loop_then_answer)
+    assert [r.limit_hit for r in results] == ["timeout"]
+    assert out.calls == [1]
+    mask, text = out.model_mask[0], out.texts[0]
+    assert text.startswith("py(while 1: pass):") and text.endswith(";7")
+    assert mask[: len("py(while 1: pass)")] == [1] * 17 and mask[17] == 0 and mask[-2:] == [1, 1]  # "7", eos
