@@ -201,7 +201,7 @@ def lr_decay_question(res: dict[str, Any]) -> Row:
     arms = res["arms"]
     parts = []
     for base in ("dr_grpo-N4", "otb-N4"):
-        for variant in ("", "-length_decay", "-linear_decay"):
+        for variant in ("", "-length_decay", "-length_or_grad_decay", "-linear_decay"):
             a = arms.get(base + variant)
             if a is None:
                 continue
