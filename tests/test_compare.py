@@ -72,6 +72,7 @@ def test_analysis_on_known_runs(tmp_path) -> None:
     assert res["target"] == pytest.approx(0.9)  # 90% of big's final reward, 1.0
     big, small, bad = (res["arms"][a] for a in ("big", "small", "bad"))
     assert big["tokens_to_target"] == [2400, 3200]  # steps 3 and 4 at 800 tokens each
+    assert big["steps_to_target"] == [3, 4] and small["steps_to_target"] == [5, 5]
     assert small["tokens_to_target"] == [500, 500]
     assert small["token_saving"] == pytest.approx(1 - 500 / 2800)
     assert bad["reached"] == 0 and bad["token_saving"] is None

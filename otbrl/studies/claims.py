@@ -97,6 +97,21 @@ def efficiency_claim(res: dict[str, Any]) -> Row:
             + (f" after {_k(statistics.fmean(reached))} tokens" if reached else "")
             + (f" ({100 * saving:.0f}% fewer than grpo-N32)" if saving is not None else "")
         )
+    mean4 = arms.get("dr_grpo-N4")
+    if mean4 is not None:  # how much of the saving is OTB's own, not just the small group's
+        their = mean4.get("token_saving")
+        lines.append(
+            f"OTB against the group mean at the same N=4: final {statistics.fmean(otb['final']):.3f} vs "
+            f"{statistics.fmean(mean4['final']):.3f}"
+            + (f", tokens saved {100 * otb['token_saving']:.0f}% vs {100 * their:.0f}%"
+               if their is not None and otb.get("token_saving") is not None else "")
+        )  # fmt: skip
+    ref = arms.get("grpo-N32")
+    if ref and ref.get("steps_to_target") and otb.get("steps_to_target"):
+        lines.append(
+            f"per optimiser step the big groups are faster: {statistics.fmean(ref['steps_to_target']):.0f} "
+            f"steps to the target for grpo-N32 vs {statistics.fmean(otb['steps_to_target']):.0f} for otb-N4"
+        )
     saving = otb.get("token_saving")
     if otb["reached"] == otb["seeds"] and saving is not None and saving >= 0.65:
         verdict = "held"
@@ -199,7 +214,11 @@ def tir_claim(res: dict[str, Any]) -> Row:
 
 def lr_decay_question(res: dict[str, Any]) -> Row:
     arms = res["arms"]
-    parts = []
+
+    def collapsed(a: dict[str, Any]) -> int:
+        return sum(c is not None for c in a["collapses"])
+
+    parts, better = [], []
     for base in ("dr_grpo-N4", "otb-N4"):
         for variant in ("", "-length_decay", "-length_or_grad_decay", "-linear_decay"):
             a = arms.get(base + variant)
@@ -207,14 +226,23 @@ def lr_decay_question(res: dict[str, Any]) -> Row:
                 continue
             fired = sum(len(d) for d in a["decays"])
             parts.append(
-                f"{base + variant}: collapsed {sum(c is not None for c in a['collapses'])}/{a['seeds']}, "
-                f"final {_ms(a['final'])}"
-                + (f", {fired} length/grad triggers" if variant == "-length_decay" else "")  # fmt: skip
+                f"{base + variant}: collapsed {collapsed(a)}/{a['seeds']}, final {_ms(a['final'])}"
+                + (f", {fired} LR-decay triggers" if "length" in variant else "")
             )
+        if base in arms and base + "-length_decay" in arms:
+            better.append(collapsed(arms[base + "-length_decay"]) < collapsed(arms[base]))
+    fired = sum(len(d) for n, a in arms.items() if n.endswith("-length_decay") for d in a["decays"])
+    if not better:
+        verdict = "—"
+    elif fired == 0:
+        verdict = "**not tested**: the length never surged here, so the length trigger never fired"
+    else:
+        verdict = "**held**" if all(better) else ("**partly**" if any(better) else "**did not hold**")
     return (
         "(companion paper, arXiv 2602.01826) Decaying the LR on a response-length surge prevents collapse.",
         "Stress setting: " + "; ".join(parts) + "." if parts else "not measured",
-        "see [stress.md](stress.md) for when each trigger fired relative to the first gradient-norm surge",
+        verdict + " (rule: held if the length-triggered arms collapse in fewer seeds than their base arms; "
+        "[stress.md](stress.md) has when each trigger fired against the first gradient-norm surge)",
         "`otbrl compare stress`",
     )
 

@@ -231,6 +231,7 @@ def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0, batch: int = 1) -
         "lr": [r.get("learning_rate", math.nan) for r in rows],
         "final": sum(reward[-k:]) / k if reward else math.nan,
         "held_out": summary.get("held-out reward after", math.nan),
+        "train_seconds": summary.get("train seconds", math.nan),
         "total_tokens": rows[-1]["generated_tokens"] if rows else 0.0,
         "surges": [r["step"] for r in rows if r.get("otb/grad_norm_surge")],
         "decays": [r["step"] for r in rows if r.get("otb/lr_decay_trigger")],
@@ -269,12 +270,14 @@ def analyse(exp: Experiment, runs: list[Run]) -> dict[str, Any]:
     for arm, results in per_arm.items():
         ttt = [tokens_to(r, target) for r in results] if target is not None else []
         reached = [t for t in ttt if t is not None]
+        steps_to = [r["steps"][r["tokens"].index(t)] for r, t in zip(results, ttt, strict=False) if t]
         arms[arm] = {
             "seeds": len(results),
             "final": [r["final"] for r in results],
             "held_out": [r["held_out"] for r in results],
             "total_tokens": [r["total_tokens"] for r in results],
             "tokens_to_target": ttt,
+            "steps_to_target": steps_to,
             "reached": len(reached),
             "surges": sum(len(r["surges"]) for r in results),
             "collapses": [r["collapse"] for r in results],
@@ -296,7 +299,7 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
     target = result["target"]
     head = [
         "arm", "seeds", "final train reward", "held-out reward", "generated tokens",
-        f"tokens to {target:.3f}" if target is not None else "tokens to target", "reached",
+        f"tokens to {target:.3f}" if target is not None else "tokens to target", "steps to it", "reached",
         f"tokens saved vs {exp.reference}" if exp.reference else "tokens saved", "grad-norm surges",
         "collapsed (step)",
     ]  # fmt: skip
@@ -307,7 +310,8 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
         lines.append(
             "| " + " | ".join([
                 arm, str(s["seeds"]), _mean_sd(s["final"]), _mean_sd(s["held_out"]),
-                _mean_sd(s["total_tokens"]), _mean_sd(s["tokens_to_target"]), f"{s['reached']}/{s['seeds']}",
+                _mean_sd(s["total_tokens"]), _mean_sd(s["tokens_to_target"]),
+                _mean_sd(s["steps_to_target"]).replace(".000", ""), f"{s['reached']}/{s['seeds']}",
                 "—" if saving is None else f"{100 * saving:.0f}%", str(s["surges"]),
                 f"{len(collapsed)}/{s['seeds']}" + (f" ({', '.join(map(str, collapsed))})" * bool(collapsed)),
             ]) + " |"
@@ -371,6 +375,7 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     from otbrl.train import load_recipe
 
     results.mkdir(parents=True, exist_ok=True)
+    run_minutes = sum(r["train_seconds"] for runs in result["runs"].values() for r in runs) / 60
     md, png = results / f"{exp.name}.md", results / f"{exp.name}.png"
     plot(exp, result, png)
     base = load_recipe(exp.recipe, exp.common)
@@ -394,7 +399,9 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     failed = "\n".join(f"- {f}" for f in failures) or "none"
     md.write_text(
         f"# Experiment `{exp.name}`\n\n{exp.description}\n\nRegenerate: `{command}` "
-        f"(runs resume: finished ones are kept). Wall time of this invocation: {seconds / 60:.1f} min.\n\n"
+        f"(runs resume: finished ones are kept). Training time summed over the runs: {run_minutes:.0f} min "
+        f"(with `--jobs 2` about half that in wall time, plus ~15 s of start-up per run); wall time of the "
+        f"invocation that wrote this page: {seconds / 60:.1f} min.\n\n"
         f"Setting: {setting}; prompts per step {exp.prompts_per_step}; seeds {exp.seeds}.\n\n"
         f"Arms:\n{arms}\n\n"
         f"{table(exp, result)}\n\n"
