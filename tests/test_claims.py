@@ -17,7 +17,10 @@ def _arm(final, reached, seeds=3, saving=None, collapses=(None, None, None), sur
 
 def _variance(otb: list[float], mean: list[float]) -> dict:
     per_n = {
-        str(n): {"stats": {"otb": {"rel_var": o, "nsr": 1.0}, "dr_grpo": {"rel_var": m, "nsr": 1.0}}}
+        str(n): {
+            "stats": {"otb": {"rel_var": o, "nsr": 1.0}, "dr_grpo": {"rel_var": m, "nsr": 1.0}},
+            "ratios": {"otb / dr_grpo": [o / m, 0.01, 24]},
+        }
         for n, o, m in zip((4, 8), otb, mean, strict=True)
     }
     return {"per_n": per_n, "correlations": {}}
@@ -27,7 +30,7 @@ def test_variance_verdicts() -> None:
     assert "**held**" in variance_claim(_variance([0.5, 0.8], [1.0, 1.0]))[2]
     assert "**partly**" in variance_claim(_variance([0.5, 1.2], [1.0, 1.0]))[2]
     assert "**did not hold**" in variance_claim(_variance([1.5, 1.2], [1.0, 1.0]))[2]
-    assert "N=4: 0.50" in variance_claim(_variance([0.5, 0.8], [1.0, 1.0]))[1]
+    assert "N=4: 0.50 ± 0.01" in variance_claim(_variance([0.5, 0.8], [1.0, 1.0]))[1]
 
 
 def test_efficiency_verdicts() -> None:
