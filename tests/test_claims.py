@@ -62,4 +62,10 @@ def test_write_claims_reports_what_is_missing(tmp_path) -> None:
     (tmp_path / "variance.json").write_text(json.dumps(_variance([0.5, 0.8], [1.0, 1.0])))
     text = write_claims(tmp_path).read_text()
     assert "| (a) OTB lowers" in text and "**held**" in text
-    assert "Not run yet: efficiency, stress, tir." in text
+    assert "Not run yet: efficiency, efficiency48, stress, tir." in text
+
+
+def test_no_target_when_the_reference_did_not_improve() -> None:
+    res = {"target": None, "note": "grpo-N32 did not improve", "arms": {"otb-N4": _arm([0.2] * 3, 0)}}
+    row = efficiency_claim(res, "efficiency48", "long")
+    assert "**not measurable**" in row[2] and "grpo-N32 did not improve" in row[1]

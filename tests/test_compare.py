@@ -129,3 +129,16 @@ def test_quick_mode_end_to_end(tmp_path, name) -> None:
             name, quick=True, jobs=2, runs_dir=tmp_path / "runs", results=tmp_path / "out", log=lines.append
         )
         assert any("already done" in line for line in lines)
+
+
+def test_no_target_when_the_reference_does_not_improve(tmp_path) -> None:
+    exp = Experiment(
+        name="t", recipe="demo", arms={"big": {}, "small": {}}, seeds=[0], reference="big", smooth=1
+    )
+    runs = [
+        _fake_run(tmp_path, "big", 0, [0.5, 0.4, 0.5, 0.4, 0.5, 0.4, 0.5, 0.4, 0.5, 0.45], 800),
+        _fake_run(tmp_path, "small", 0, [0.1] * 10, 100),
+    ]
+    res = analyse(exp, runs)  # 90% of big's final (0.405) is below where it started (0.5): no target
+    assert res["target"] is None and "did not improve" in res["note"]
+    assert res["arms"]["small"]["tokens_to_target"] == []

@@ -230,6 +230,7 @@ def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0, batch: int = 1) -
         "length": [r.get("completions/mean_length", math.nan) for r in rows],
         "lr": [r.get("learning_rate", math.nan) for r in rows],
         "final": sum(reward[-k:]) / k if reward else math.nan,
+        "start": sum(reward[:k]) / k if reward else math.nan,
         "held_out": summary.get("held-out reward after", math.nan),
         "train_seconds": summary.get("train seconds", math.nan),
         "total_tokens": rows[-1]["generated_tokens"] if rows else 0.0,
@@ -263,9 +264,15 @@ def analyse(exp: Experiment, runs: list[Run]) -> dict[str, Any]:
         if (run.dir / "summary.json").is_file():
             batch = int(run.overrides.get("per_device_train_batch_size", 1))
             per_arm.setdefault(run.arm, []).append(analyse_run(run.dir, exp, run.seed, batch))
-    target = None
+    target, note = None, None
     if exp.reference and per_arm.get(exp.reference):
-        target = exp.target_fraction * statistics.fmean(r["final"] for r in per_arm[exp.reference])
+        ref = per_arm[exp.reference]
+        target = exp.target_fraction * statistics.fmean(r["final"] for r in ref)
+        start = statistics.fmean(r["start"] for r in ref)
+        if target <= start:  # the reference did not improve: "reaching" the target would mean nothing
+            note = (f"{exp.reference} did not improve (first 10% of steps {start:.3f}, last "
+                    f"{target / exp.target_fraction:.3f}): no tokens-to-target.")  # fmt: skip
+            target = None
     arms: dict[str, dict[str, Any]] = {}
     for arm, results in per_arm.items():
         ttt = [tokens_to(r, target) for r in results] if target is not None else []
@@ -292,7 +299,7 @@ def analyse(exp: Experiment, runs: list[Run]) -> dict[str, Any]:
             1 - statistics.fmean(mine) / statistics.fmean(theirs) if mine and theirs and
             stats["reached"] == stats["seeds"] else None
         )  # fmt: skip
-    return {"target": target, "arms": arms, "runs": per_arm}
+    return {"target": target, "note": note, "arms": arms, "runs": per_arm}
 
 
 def table(exp: Experiment, result: dict[str, Any]) -> str:
@@ -388,7 +395,7 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
         f"Target: {exp.target_fraction:.0%} of `{exp.reference}`'s final train reward (mean over seeds) = "
         f"{result['target']:.3f}."
         if result["target"] is not None
-        else "No reference arm: no target.",
+        else (result.get("note") or "No reference arm: no target."),
         "Final train reward: mean of the last 10% of steps. Held-out reward: one sample per held-out prompt "
         "after training. Tokens to target: generated tokens when the centred moving average of the train "
         f"reward (over {f'{exp.smooth_samples} samples' if exp.smooth_samples else f'{exp.smooth} steps'}) "
@@ -411,7 +418,7 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     )
     summary = {a: {k: v for k, v in s.items()} for a, s in result["arms"].items()}
     (results / f"{exp.name}.json").write_text(
-        json.dumps({"target": result["target"], "arms": summary}, indent=1)
+        json.dumps({"target": result["target"], "note": result.get("note"), "arms": summary}, indent=1)
     )
     return md
 
