@@ -10,10 +10,11 @@ masks), energy uniform in [0, 1). Each (estimator, size) cell runs in a fresh pr
 from __future__ import annotations
 
 import torch
-from common import command_line, in_fresh_process, markdown_table, measure, write_result
+from common import command_line, in_fresh_process, measure, write_result
 from torch import Tensor
 
 import otbrl
+from otbrl.studies.report import markdown_table
 
 GROUP_SIZE = 8
 FULL_SIZES = [(256, 1024), (256, 8192), (1024, 1024), (1024, 8192)]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -19,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from otbrl.studies.report import machine
 
 
 def _status_mib(field: str) -> float:
@@ -81,28 +81,3 @@ def write_result(
         f"{description}\n\n{table}\n\n{verdict}\n"
     )
     print(f"wrote {out}")
-
-
-def machine(threads: int) -> str:
-    cpu = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (
-        f"{cpu}, {os.cpu_count()} CPUs, {mem_gib:.0f} GiB RAM; Python {platform.python_version()}, "
-        f"torch {torch.__version__}, torch threads {threads} (the default); 1-minute load average "
-        f"{os.getloadavg()[0]:.2f} when written (other work on the machine slows every column)"
-    )
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table padded to aligned columns, so it also reads well when printed."""
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
-    return "\n".join([line(header), rule, *(line(r) for r in rows)])

@@ -164,6 +164,29 @@ def sample_with_tools(
     return ToolRollouts(prompt_ids, completion, mask, logps, calls, texts)
 
 
+def sample_texts(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    tools: list[str] | tuple[str, ...] | Mapping[str, Tool] = (),
+    max_turns: int = 0,
+) -> list[str]:
+    """One decoded completion per prompt: with tool calls between turns when `tools` names any (tool
+    output included in the text), else a plain single-turn sample."""
+    if tools:
+        ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        toolbox = resolve_tools(tools)
+        return sample_with_tools(
+            model, tokenizer, ids, toolbox, max_new_tokens, max_turns, temperature, generator=generator
+        ).texts
+    from otbrl.tasks.sampling import sample
+
+    return sample(model, tokenizer, prompts, 1, max_new_tokens, temperature, generator=generator).texts
+
+
 def rollout_func(
     tools: list[str] | tuple[str, ...] | Mapping[str, Tool] = ("calc",), max_turns: int = 3, workers: int = 4
 ) -> Callable[[list, Any], dict[str, Any]]:

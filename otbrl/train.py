@@ -218,21 +218,12 @@ def evaluate(
     max_turns: int = 0,
 ) -> float:
     """Mean reward of one sampled completion per held-out prompt (with tool calls if `tools`)."""
-    from otbrl.tasks import sample
+    from otbrl.multiturn import sample_texts
 
     model.eval()
     gen = torch.Generator(device=model.device).manual_seed(seed)
     prompts = [r["prompt"] for r in rows]
-    if tools:
-        from otbrl.multiturn import resolve_tools, sample_with_tools
-
-        ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        toolbox = resolve_tools(list(tools))
-        texts = sample_with_tools(
-            model, tokenizer, ids, toolbox, max_new_tokens, max_turns, temperature, generator=gen
-        ).texts
-    else:
-        texts = sample(model, tokenizer, prompts, 1, max_new_tokens, temperature, generator=gen).texts
+    texts = sample_texts(model, tokenizer, prompts, max_new_tokens, temperature, gen, tools, max_turns)
     scores = reward(prompts=prompts, completions=texts, answer=[r["answer"] for r in rows])
     return float(sum(scores) / len(scores))
 

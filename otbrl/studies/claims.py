@@ -6,11 +6,12 @@ A claim whose study has not been run says so instead of guessing.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from otbrl.studies.compare import mean_sd
 
 Row = tuple[str, str, str, str]  # claim, measurement, verdict, command
 
@@ -18,14 +19,6 @@ Row = tuple[str, str, str, str]  # claim, measurement, verdict, command
 def _load(results: Path, name: str) -> dict[str, Any] | None:
     path = results / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _ms(values: list[float | None], fmt: str = "{:.3f}") -> str:
-    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    if not vals:
-        return "—"
-    text = fmt.format(statistics.fmean(vals))
-    return text + (" ± " + fmt.format(statistics.stdev(vals)) if len(vals) > 1 else "")
 
 
 def _k(x: float) -> str:
@@ -94,7 +87,7 @@ def efficiency_claim(res: dict[str, Any], experiment: str = "efficiency", task: 
         return claim, "not measured", "—", f"`otbrl compare {experiment}`"
     if target is None:
         finals = "; ".join(
-            f"{n}: final {_ms(a['final'])}, held-out {_ms(a['held_out'])}" for n, a in arms.items()
+            f"{n}: final {mean_sd(a['final'])}, held-out {mean_sd(a['held_out'])}" for n, a in arms.items()
         )
         verdict = "**not measurable** here: the reference arm did not improve"
         return claim, f"{res.get('note') or 'no target'} {finals}.", verdict, f"`otbrl compare {experiment}`"
@@ -106,7 +99,7 @@ def efficiency_claim(res: dict[str, Any], experiment: str = "efficiency", task: 
         saving = a.get("token_saving")
         reached = [t for t in a["tokens_to_target"] if t is not None]
         lines.append(
-            f"{name}: final {_ms(a['final'])}, reached {a['reached']}/{a['seeds']}"
+            f"{name}: final {mean_sd(a['final'])}, reached {a['reached']}/{a['seeds']}"
             + (f" after {_k(statistics.fmean(reached))} tokens" if reached else "")
             + (f" ({100 * saving:.0f}% fewer than grpo-N32)" if saving is not None else "")
         )
@@ -150,7 +143,7 @@ def stability_claim(res: dict[str, Any]) -> Row:
 
     parts = [
         f"{n}: collapsed {collapsed(arms[n])}/{arms[n]['seeds']}, {arms[n]['surges']} grad-norm surges, "
-        f"final {_ms(arms[n]['final'])}"
+        f"final {mean_sd(arms[n]['final'])}"
         for n in names
     ]
     if "otb-N4" not in arms:
@@ -189,7 +182,7 @@ def loo_question(var: dict[str, Any] | None, eff: dict[str, Any] | None) -> Row:
         parts.append("noise-to-signal, leave-one-out vs self-inclusive: " + ", ".join(r))
     if eff and "otb_loo-N4" in eff["arms"] and "otb-N4" in eff["arms"]:
         a, b = eff["arms"]["otb_loo-N4"], eff["arms"]["otb-N4"]
-        parts.append(f"training final reward {_ms(a['final'])} vs {_ms(b['final'])}")
+        parts.append(f"training final reward {mean_sd(a['final'])} vs {mean_sd(b['final'])}")
     return (
         "(ours) Does the unbiased leave-one-out OTB beat the paper's self-inclusive form?",
         "; ".join(parts) + "." if parts else "not measured",
@@ -201,7 +194,8 @@ def loo_question(var: dict[str, Any] | None, eff: dict[str, Any] | None) -> Row:
 def tir_claim(res: dict[str, Any]) -> Row:
     arms = res["arms"]
     parts = [
-        f"{n}: final {_ms(a['final'])}, held-out {_ms(a['held_out'])}, reached {a['reached']}/{a['seeds']}"
+        f"{n}: final {mean_sd(a['final'])}, held-out {mean_sd(a['held_out'])}, "
+        f"reached {a['reached']}/{a['seeds']}"
         + (f", {100 * a['token_saving']:.0f}% fewer tokens to target" if a.get("token_saving") else "")
         for n, a in arms.items()
     ]
@@ -238,7 +232,7 @@ def lr_decay_question(res: dict[str, Any]) -> Row:
                 continue
             fired = sum(len(d) for d in a["decays"])
             parts.append(
-                f"{base + variant}: collapsed {collapsed(a)}/{a['seeds']}, final {_ms(a['final'])}"
+                f"{base + variant}: collapsed {collapsed(a)}/{a['seeds']}, final {mean_sd(a['final'])}"
                 + (f", {fired} LR-decay triggers" if "length" in variant else "")
             )
         if base in arms and base + "-length_decay" in arms:

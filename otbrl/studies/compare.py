@@ -247,7 +247,7 @@ def tokens_to(run: dict[str, Any], target: float) -> float | None:
     return None
 
 
-def _mean_sd(values: list[float]) -> str:
+def mean_sd(values: list[float]) -> str:
     values = [v for v in values if v is not None and not math.isnan(v)]
     if not values:
         return "—"
@@ -316,9 +316,9 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
         saving = s["token_saving"]
         lines.append(
             "| " + " | ".join([
-                arm, str(s["seeds"]), _mean_sd(s["final"]), _mean_sd(s["held_out"]),
-                _mean_sd(s["total_tokens"]), _mean_sd(s["tokens_to_target"]),
-                _mean_sd(s["steps_to_target"]).replace(".000", ""), f"{s['reached']}/{s['seeds']}",
+                arm, str(s["seeds"]), mean_sd(s["final"]), mean_sd(s["held_out"]),
+                mean_sd(s["total_tokens"]), mean_sd(s["tokens_to_target"]),
+                mean_sd(s["steps_to_target"]).replace(".000", ""), f"{s['reached']}/{s['seeds']}",
                 "—" if saving is None else f"{100 * saving:.0f}%", str(s["surges"]),
                 f"{len(collapsed)}/{s['seeds']}" + (f" ({', '.join(map(str, collapsed))})" * bool(collapsed)),
             ]) + " |"
@@ -416,9 +416,8 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
         + "\n\n".join(notes)
         + f"\n\nFailed runs: {failed}\n\n![{exp.name}]({png.name})\n"
     )
-    summary = {a: {k: v for k, v in s.items()} for a, s in result["arms"].items()}
     (results / f"{exp.name}.json").write_text(
-        json.dumps({"target": result["target"], "note": result.get("note"), "arms": summary}, indent=1)
+        json.dumps({"target": result["target"], "note": result.get("note"), "arms": result["arms"]}, indent=1)
     )
     return md
 

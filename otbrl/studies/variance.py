@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,6 +41,7 @@ import torch
 import otbrl
 from otbrl.energy import token_energy
 from otbrl.exact import score_sq_norms
+from otbrl.studies.report import machine, markdown_table
 
 # label -> (registered estimator, its options, which energy it reads: None, "proxy" or "exact")
 SETTINGS: dict[str, tuple[str, dict[str, Any], str | None]] = {
@@ -401,32 +400,6 @@ def matching_group_size(curve: dict[int, float], target: float) -> str:
     return f"> {ns[-1]}"
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    return "\n".join(
-        [line(header), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|", *map(line, rows)]
-    )
-
-
-def machine(threads: int) -> str:
-    cpu = platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    load = (
-        f"; 1-minute load average {os.getloadavg()[0]:.2f} when written" if hasattr(os, "getloadavg") else ""
-    )
-    return (
-        f"{cpu}, {os.cpu_count()} CPUs; Python {platform.python_version()}, torch {torch.__version__}, "
-        f"torch threads {threads}{load}"
-    )
-
-
 def command(cfg: Config) -> str:
     """The command line that regenerates these results."""
     parts = ["otbrl variance", f"--task {cfg.task}", f"--k {cfg.k}", f"--prompts {cfg.prompts}"]
@@ -470,7 +443,7 @@ def report(res: dict[str, Any]) -> str:
         return f"{s[key]:.3f}"
 
     def metric_table(key: str) -> str:
-        return table(
+        return markdown_table(
             ["estimator", *(f"N={n}" for n in ns)], [[e, *(cell(n, e, key) for n in ns)] for e in est]
         )
 
@@ -545,7 +518,7 @@ def report(res: dict[str, Any]) -> str:
         "",
         "## Headline: variance ratios at equal N (paired, same batches; ± jackknife SE)",
         "",
-        table(["N", *ratio_names], ratio_rows),
+        markdown_table(["N", *ratio_names], ratio_rows),
         "",
     ]
     stats = {n: res["per_n"][n]["stats"] for n in ns}
@@ -569,7 +542,7 @@ def report(res: dict[str, Any]) -> str:
             "logit-space part of ||∇θ log π(y_t)||²; the rest (the hidden state's norm, deeper layers) is "
             "what it ignores.",
             "",
-            table(
+            markdown_table(
                 ["level", "Pearson", "Pearson of logs", "Spearman", "count"],
                 [
                     [name, f"{p:.3f}", f"{lp:.3f}", f"{s:.3f}", str(c)]

@@ -23,7 +23,6 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2
 from transformers.utils import logging as hf_logging
 
 from otbrl.tasks.models import PRESETS, tiny_model
-from otbrl.tasks.sampling import sample
 from otbrl.tasks.tasks import TASKS, Task, dataset, get_task
 from otbrl.tasks.tokenizer import char_tokenizer
 
@@ -49,21 +48,13 @@ def evaluate(
     seed: int = 0,
 ) -> float:
     """Mean reward of one sampled completion per row (at `temperature`, reproducible given `seed`)."""
-    gen = torch.Generator(device=model.device).manual_seed(seed)
-    prompts = [r["prompt"] for r in rows]
-    if task.tools:
-        from otbrl.multiturn import resolve_tools, sample_with_tools
+    from otbrl.multiturn import sample_texts
 
-        ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        texts = sample_with_tools(
-            model, tokenizer, ids, resolve_tools(task.tools), task.max_completion_tokens, task.max_turns,
-            temperature, generator=gen,
-        ).texts  # fmt: skip
-    else:
-        texts = sample(
-            model, tokenizer, prompts, num_samples=1, max_new_tokens=task.max_completion_tokens,
-            temperature=temperature, generator=gen,
-        ).texts  # fmt: skip
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    texts = sample_texts(
+        model, tokenizer, [r["prompt"] for r in rows], task.max_completion_tokens, temperature, gen,
+        task.tools, task.max_turns,
+    )  # fmt: skip
     return sum(task.reward(c, r["answer"]) for c, r in zip(texts, rows, strict=True)) / len(rows)
 
 
