@@ -17,8 +17,8 @@ from common import command_line, in_fresh_process, measure, write_result
 from torch import Tensor
 
 import otbrl
+from otbrl.app.studies.report import markdown_table
 from otbrl.energy import CHUNK_ELEMENTS
-from otbrl.studies.report import markdown_table
 
 FULL_VOCABS, FULL_ROWS = [32768, 151936], [1024, 2048, 4096]
 QUICK_VOCABS, QUICK_ROWS = [32768], [256, 512]

@@ -14,8 +14,8 @@ import torch
 from common import command_line, in_fresh_process, measure, write_result
 from torch import Tensor
 
+from otbrl.app.studies.report import markdown_table
 from otbrl.fused import TILE_ELEMENTS, fused_partial_stats, fused_token_stats
-from otbrl.studies.report import markdown_table
 
 # (tokens, V, H). Time ratios over the hidden size H (the matmul's share grows with H; real models have
 # H of 1k-8k), then memory over tokens x V at a small H so that each call takes seconds on 2 cores.

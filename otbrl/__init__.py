@@ -1,31 +1,33 @@
 """otbrl: the Optimal Token Baseline for LLM reinforcement learning.
 
-The core is framework-free (torch only): per-token energy from logits (`otbrl.energy`), grouped
-advantage estimators (`otbrl.estimators`), forward-only diagnostics and an exact reference.
+The library is framework-free (torch only): per-token energy from logits (`otbrl.energy`) or from hidden
+states and the output head (`otbrl.fused`), grouped advantage estimators (`otbrl.estimators`),
+policy-gradient losses (`otbrl.losses`), stability diagnostics (`otbrl.stability`) and an exact
+reference (`otbrl.exact`). Generation (`otbrl.rollout`), tools (`otbrl.tools`) and the TRL and verl
+adapters (`otbrl.integrations`) load their heavy dependencies on import; the `otbrl` command and the
+studies live in `otbrl.app`.
 """
 
-from otbrl.energy import (
-    TokenStats,
-    fused_token_stats,
-    realized_energy,
-    sum_pi_squared,
-    token_energy,
-    token_energy_from_logprobs,
-)
+from otbrl.energy import realized_energy, sum_pi_squared, token_energy, token_energy_from_logprobs
 from otbrl.estimators import ESTIMATORS, AdvantageResult, compute_advantages, register_estimator
+from otbrl.fused import fused_token_stats
+from otbrl.stats import TokenStats
 
-from otbrl import diagnostics, exact  # isort: skip  (exact registers the "otb_exact" estimator)
+from otbrl import exact, stability  # isort: skip  (exact registers the "otb_exact" estimator)
+
+diagnostics = stability  # the name of round 1 (SurgeDetector, batch_diagnostics)
 
 __all__ = [
-    "diagnostics",
-    "exact",
     "ESTIMATORS",
     "AdvantageResult",
-    "compute_advantages",
-    "fused_token_stats",
     "TokenStats",
+    "compute_advantages",
+    "diagnostics",
+    "exact",
+    "fused_token_stats",
     "realized_energy",
     "register_estimator",
+    "stability",
     "sum_pi_squared",
     "token_energy",
     "token_energy_from_logprobs",

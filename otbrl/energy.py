@@ -10,15 +10,11 @@ from collections.abc import Iterator
 
 import torch
 
-from otbrl.batch import check_mask, check_temperature, check_token_values
+from otbrl.inputs import check_mask, check_temperature, check_token_values, compute_dtype
 
 # Elements of one float32 working tile (64 MiB). Peak extra memory is a small multiple of this,
 # independent of the number of rows.
 CHUNK_ELEMENTS = 1 << 24
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_logits(logits: torch.Tensor, temperature: float) -> None:
@@ -40,7 +36,7 @@ def _tiles(logits: torch.Tensor, temperature: float) -> Iterator[tuple[slice, to
     flat = logits.reshape(-1, logits.shape[-1])
     rows, vocab = flat.shape
     step = max(1, min(rows, CHUNK_ELEMENTS // vocab))
-    buffer = torch.empty(step, vocab, dtype=_compute_dtype(logits.dtype), device=logits.device)
+    buffer = torch.empty(step, vocab, dtype=compute_dtype(logits), device=logits.device)
     bad = torch.zeros((), dtype=torch.bool, device=logits.device)
     for start in range(0, rows, step):
         chunk = flat[start : start + step]
@@ -62,7 +58,7 @@ def sum_pi_squared(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tens
     With e = exp(z/T - max z/T): sum pi^2 = sum e^2 / (sum e)^2, both sums of positive terms.
     """
     _check_logits(logits, temperature)
-    out = torch.empty(logits.shape[:-1].numel(), dtype=_compute_dtype(logits.dtype), device=logits.device)
+    out = torch.empty(logits.shape[:-1].numel(), dtype=compute_dtype(logits), device=logits.device)
     for rows, e in _tiles(logits, temperature):
         s1 = e.sum(dim=-1)
         out[rows] = e.square_().sum(dim=-1) / (s1 * s1)
@@ -89,7 +85,7 @@ def token_energy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float 
     if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab):
         raise ValueError(f"tokens: ids must lie in [0, {vocab})")
     ids = tokens.reshape(-1, 1).to(device=logits.device, dtype=torch.long)
-    out = torch.empty(ids.shape[0], dtype=_compute_dtype(logits.dtype), device=logits.device)
+    out = torch.empty(ids.shape[0], dtype=compute_dtype(logits), device=logits.device)
     for rows, e in _tiles(logits, temperature):
         y = ids[rows]
         e_y = e.gather(-1, y).squeeze(-1)
@@ -119,7 +115,7 @@ def token_energy_from_logprobs(logprobs: torch.Tensor, sum_pi_sq: torch.Tensor) 
         raise ValueError(
             f"sum_pi_sq: shape {tuple(sum_pi_sq.shape)} does not match logprobs {tuple(logprobs.shape)}"
         )
-    dtype = torch.promote_types(_compute_dtype(logprobs.dtype), _compute_dtype(sum_pi_sq.dtype))
+    dtype = compute_dtype(logprobs, sum_pi_sq)
     lp = logprobs.to(dtype).clamp(max=0.0)
     first = torch.expm1(lp).square()
     rest = (sum_pi_sq.to(dtype) - torch.exp(2.0 * lp)).clamp(min=0.0)
@@ -135,6 +131,3 @@ def realized_energy(energy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     keep = check_mask(mask)
     return check_token_values("energy", energy, keep, nonnegative=True).cumsum(dim=-1)
 
-
-# From hidden states without materialising logits (torch tiles, or Triton on CUDA): see otbrl.fused.
-from otbrl.fused import TokenStats, fused_token_stats  # noqa: E402, F401  (re-exported)

@@ -13,19 +13,23 @@ from typing import Any
 
 import torch
 
-from otbrl.batch import Rollouts, check_token_values, make_rollouts
 from otbrl.groups import aligned_columns, from_frame, group_sums, to_frame
+from otbrl.inputs import Rollouts, check_token_values, make_rollouts
 
 EstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class EstimatorSpec:
+    """A registered estimator. `needs_energy`: reads per-token energy; `needs_model`: computes its own
+    inputs from a model (e.g. otb_exact), so a trainer cannot feed it from rollouts alone."""
+
     name: str
     fn: EstimatorFn
     needs_energy: bool
     options: tuple[str, ...]
     masked_output: bool
+    needs_model: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,13 +50,15 @@ def register_estimator(
     needs_energy: bool = False,
     options: tuple[str, ...] | None = None,
     masked_output: bool = False,
+    needs_model: bool = False,
 ) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator: register `fn(batch: Rollouts, **options) -> (advantages, baselines)` under `name`.
 
     Both outputs are (B, T) tensors; `compute_advantages` zeroes them where mask == 0 (skipped when
     `masked_output` promises fn already does, which saves a pass over (B, T)) and converts them to
     float32. Set `needs_energy` when fn reads `batch.energy`. The accepted option names are fn's
-    keyword-only parameters, unless `options` lists them (for an fn that forwards **kwargs).
+    keyword-only parameters, unless `options` lists them (for an fn that forwards **kwargs). Set
+    `needs_model` when fn needs a model among its options (trainers then refuse it).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name: expected a non-empty string, got {name!r}")
@@ -62,10 +68,26 @@ def register_estimator(
             raise ValueError(f"name: an estimator called {name!r} is already registered")
         params = list(inspect.signature(fn).parameters.values())[1:]
         names = options or tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
-        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_energy, tuple(names), masked_output)
+        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_energy, tuple(names), masked_output, needs_model)
         return fn
 
     return decorate
+
+
+def resolve(estimator: Any, options: Any = None, *, from_rollouts: bool = False) -> EstimatorSpec:
+    """The spec of a registered estimator, after checking its option names: the one check that
+    `compute_advantages` and every trainer adapter (TRL, verl) run. With `from_rollouts`, estimators that
+    need a model of their own (`needs_model`) are refused, as a trainer feeds estimators from rollouts."""
+    spec = ESTIMATORS.get(estimator) if isinstance(estimator, str) else None
+    if spec is None or (from_rollouts and spec.needs_model):
+        usable = sorted(n for n, s in ESTIMATORS.items() if not (from_rollouts and s.needs_model))
+        what = "unknown" if spec is None else "needs a model of its own, so a trainer cannot use"
+        raise ValueError(f"estimator: {what} estimator {estimator!r}; known: {', '.join(usable)}")
+    unknown = sorted(set(options or ()) - set(spec.options))
+    if unknown:
+        accepted = ", ".join(spec.options) or "none"
+        raise ValueError(f"{unknown[0]}: not an option of estimator {estimator!r} (its options: {accepted})")
+    return spec
 
 
 def compute_advantages(
@@ -87,15 +109,7 @@ def compute_advantages(
     options:   estimator keywords, e.g. otb's leave_one_out, align, zero_tail, is_weights, eps.
     Returns an `AdvantageResult` of (B, T) float32 tensors, zero where mask == 0.
     """
-    spec = ESTIMATORS.get(estimator) if isinstance(estimator, str) else None
-    if spec is None:
-        raise ValueError(
-            f"estimator: unknown estimator {estimator!r}; known: {', '.join(sorted(ESTIMATORS))}"
-        )
-    unknown = sorted(set(options) - set(spec.options))
-    if unknown:
-        accepted = ", ".join(spec.options) or "none"
-        raise ValueError(f"{unknown[0]}: not an option of estimator {estimator!r} (its options: {accepted})")
+    spec = resolve(estimator, options)
     if spec.needs_energy and energy is None:
         raise ValueError(f"energy: estimator {estimator!r} needs per-token energy (see otbrl.token_energy)")
     batch = make_rollouts(rewards=rewards, mask=mask, group_ids=group_ids, energy=energy)

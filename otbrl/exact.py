@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.func import functional_call, jacrev
 
-from otbrl.batch import Rollouts, check_temperature
 from otbrl.estimators import ESTIMATORS, otb, register_estimator
+from otbrl.inputs import Rollouts, check_temperature
 
 METHODS = ("vmap", "loop")
 
@@ -101,6 +101,7 @@ def score_sq_norms(
     "otb_exact",
     options=("model", "input_ids", "temperature", "method", *ESTIMATORS["otb"].options),
     masked_output=True,
+    needs_model=True,
 )
 def otb_exact(
     batch: Rollouts,

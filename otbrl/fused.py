@@ -11,92 +11,23 @@ sum of positive terms (never negative, accurate for confident tokens), as in `ot
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
-from otbrl.batch import check_temperature
+from otbrl.inputs import check_temperature, compute_dtype
+from otbrl.stats import (
+    PartialStats,
+    TokenStats,
+    combine_partial_stats,
+    empty_partial_stats,
+    finalize_partial_stats,
+    tile_partial_stats,
+)
 
 # Elements of one float32 logits tile on the torch path (16 MiB).
 TILE_ELEMENTS = 1 << 22
 VOCAB_TILE = 8192
 BACKENDS = ("auto", "torch", "triton")
-
-
-class TokenStats(NamedTuple):
-    """Per-token statistics at the given temperature, each (...) float32 (float64 for float64 input)."""
-
-    logprobs: torch.Tensor  # log softmax(z / T)[y]
-    sum_pi_sq: torch.Tensor  # sum_v softmax(z / T)_v^2
-    energy: torch.Tensor  # ||e_y - softmax(z / T)||^2, never negative
-    entropy: torch.Tensor  # -sum_v pi_v log pi_v
-
-
-class PartialStats(NamedTuple):
-    """Statistics of each token over a slice of the vocabulary, relative to `max_logit` m:
-    s1 = sum_{v != y} e^(z_v - m), s2 = sum_{v != y} e^(2(z_v - m)), a = sum_{v != y} e^(z_v - m)(z_v - m),
-    label = z_y if the sampled token lies in the slice, else -inf. All (N,)."""
-
-    max_logit: torch.Tensor
-    s1: torch.Tensor
-    s2: torch.Tensor
-    a: torch.Tensor
-    label: torch.Tensor
-
-
-def combine_partial_stats(x: PartialStats, y: PartialStats) -> PartialStats:
-    """Merge the statistics of two disjoint vocabulary slices (e.g. tensor-parallel shards)."""
-    m = torch.maximum(x.max_logit, y.max_logit)
-
-    def rescale(p: PartialStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        shift = p.max_logit - m  # <= 0; -inf for a slice that has seen nothing yet
-        c = torch.exp(shift)
-        has = p.s1 > 0  # avoids -inf * 0 where a slice holds no mass
-        a = torch.where(has, c * (p.a + torch.where(has, shift, 0.0) * p.s1), 0.0)
-        return c * p.s1, c * c * p.s2, a
-
-    s1x, s2x, ax = rescale(x)
-    s1y, s2y, ay = rescale(y)
-    return PartialStats(m, s1x + s1y, s2x + s2y, ax + ay, torch.maximum(x.label, y.label))
-
-
-def finalize_partial_stats(p: PartialStats) -> TokenStats:
-    """TokenStats from the statistics over the whole vocabulary."""
-    if not torch.isfinite(p.label).all() or not torch.isfinite(p.max_logit).all():
-        raise ValueError("hidden: produce non-finite logits (or a token's logit was never seen)")
-    rel = p.label - p.max_logit
-    e_y = torch.exp(rel)
-    s1 = p.s1 + e_y
-    log_s1 = torch.log(s1)
-    return TokenStats(
-        logprobs=rel - log_s1,
-        sum_pi_sq=(p.s2 + e_y * e_y) / (s1 * s1),
-        energy=(p.s1 * p.s1 + p.s2) / (s1 * s1),
-        entropy=log_s1 - (p.a + e_y * rel) / s1,
-    )
-
-
-def tile_partial_stats(z: torch.Tensor, local: torch.Tensor) -> PartialStats:
-    """PartialStats of one logits tile z (N, Vt) (consumed), sampled tokens at columns `local` (N,),
-    or outside the tile where local is out of [0, Vt)."""
-    width = z.shape[1]
-    inside = (local >= 0) & (local < width)
-    col = local.clamp(0, width - 1)[:, None]
-    m = z.amax(dim=1)
-    label = torch.where(inside, z.gather(1, col).squeeze(1), -math.inf)
-    z.sub_(m[:, None])
-    e = torch.exp(z)
-    e.scatter_(1, col, torch.where(inside[:, None], 0.0, e.gather(1, col)))  # keep y out of the sums
-    # Row-wise dot products read the tile without writing a product tile.
-    return PartialStats(
-        m, e.sum(dim=1), torch.einsum("nv,nv->n", e, e), torch.einsum("nv,nv->n", e, z), label
-    )
-
-
-def empty_partial_stats(n: int, dtype: torch.dtype, device: torch.device) -> PartialStats:
-    ninf = torch.full((n,), -math.inf, dtype=dtype, device=device)
-    zero = torch.zeros(n, dtype=dtype, device=device)
-    return PartialStats(ninf, zero, zero, zero, ninf.clone())
 
 
 def _check(hidden, weight, tokens, temperature, bias) -> None:
@@ -134,7 +65,7 @@ def fused_partial_stats(
     """Torch path: PartialStats of hidden (N, H) against weight (V, H), a vocabulary slice whose first
     id is `vocab_start` (0 unless the head is sharded). Logits are formed in the compute dtype (float32,
     or float64 for float64 input) one tile at a time. `logprobs_only` skips s2 and a (for comparison)."""
-    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(hidden)
     n, vocab = hidden.shape[0], weight.shape[0]
     h = hidden.to(dtype)
     local_ids = tokens.to(device=hidden.device, dtype=torch.long) - vocab_start

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from otbrl.fused import TokenStats
+from otbrl.stats import TokenStats
 
 
 @triton.jit

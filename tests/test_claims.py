@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from otbrl.studies.claims import efficiency_claim, stability_claim, variance_claim, write_claims
+from otbrl.app.studies.claims import efficiency_claim, stability_claim, variance_claim, write_claims
 
 
 def _arm(final, reached, seeds=3, saving=None, collapses=(None, None, None), surges=0, tokens=1000.0):  # noqa: ANN001, ANN202

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from otbrl.cli import main, parse_overrides
-from otbrl.train import load_recipe, load_rows, recipe_names, run
+from otbrl.app.cli import main, parse_overrides
+from otbrl.app.train import load_recipe, load_rows, recipe_names, run
 
 FAST = {
     "model": "random:tiny",

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("otbrl.integrations.trl")
 
-from otbrl.studies.compare import (  # noqa: E402
+from otbrl.app.studies.compare import (  # noqa: E402
     Experiment,
     Run,
     analyse,

@@ -1,4 +1,4 @@
-"""otbrl.diagnostics: the logit-space update norm against autograd, batch statistics, and the
+"""otbrl.stability: the logit-space update norm against autograd, batch statistics, and the
 gradient-norm surge detector."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import otbrl
-from otbrl.diagnostics import SurgeDetector, batch_diagnostics, update_energy
+from otbrl.stability import SurgeDetector, batch_diagnostics, update_energy
 
 
 def test_update_energy_is_the_logit_space_squared_norm():

@@ -15,7 +15,8 @@ import torch
 
 import otbrl
 from otbrl import fused
-from otbrl.fused import combine_partial_stats, finalize_partial_stats, fused_partial_stats, fused_token_stats
+from otbrl.fused import fused_partial_stats, fused_token_stats
+from otbrl.stats import combine_partial_stats, finalize_partial_stats
 
 
 def reference(hidden, weight, tokens, temperature=1.0, bias=None) -> list[torch.Tensor]:

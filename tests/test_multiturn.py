@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from otbrl.multiturn import find_call, sample_with_tools  # noqa: E402
+from otbrl.rollout.multiturn import find_call, sample_with_tools  # noqa: E402
 from otbrl.tasks import char_tokenizer, get_task, tiny_model  # noqa: E402
 
 TOK = char_tokenizer()

@@ -41,7 +41,7 @@ def test_readme_trl_snippet_names_exist():
     assert len(blocks) == 2  # the drop-in swap and the multi-turn rollout_func
     for block in blocks:
         compile(block, str(README), "exec")
-    from otbrl.multiturn import rollout_func
+    from otbrl.integrations.trl import rollout_func
 
     assert callable(rollout_func(["calc", "py"], max_turns=3))
     assert hasattr(trl, "OTBGRPOConfig") and hasattr(trl, "OTBGRPOTrainer")

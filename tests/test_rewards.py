@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from otbrl.rewards import get_reward, last_number
+from otbrl.app.rewards import get_reward, last_number
 
 
 def test_exact_numeric_and_math_rewards():
@@ -28,8 +28,8 @@ def test_exact_numeric_and_math_rewards():
 
 
 def test_local_model_directory_loads(tmp_path):
+    from otbrl.app.train import load_model
     from otbrl.tasks import char_tokenizer, tiny_model
-    from otbrl.train import load_model
 
     model, tokenizer = tiny_model("tiny", seed=3), char_tokenizer()
     model.save_pretrained(tmp_path)

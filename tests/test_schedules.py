@@ -1,4 +1,4 @@
-"""otbrl.schedules: the length-surge detector on synthetic series (surges against noise of the same
+"""otbrl.stability: the length-surge detector on synthetic series (surges against noise of the same
 variance), cooldown, floor and saved state; the LR cut surviving a LambdaLR scheduler and a checkpoint;
 and in TRL (tiny model, CPU): the LR the optimizer uses drops after a trigger and stays dropped across a
 checkpoint resume.
@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from otbrl.schedules import LengthSurgeDecay, scale_learning_rate
+from otbrl.stability import LengthSurgeDecay, scale_learning_rate
 
 ONSET, LENGTH = 150, 200  # synthetic series: 150 steps at a steady level, then 50 steps of surge
 SEEDS = range(50)
@@ -22,9 +22,9 @@ SEEDS = range(50)
 
 @pytest.fixture(autouse=True)
 def _quiet_triggers():
-    logging.getLogger("otbrl.schedules").setLevel(logging.ERROR)
+    logging.getLogger("otbrl.stability").setLevel(logging.ERROR)
     yield
-    logging.getLogger("otbrl.schedules").setLevel(logging.NOTSET)
+    logging.getLogger("otbrl.stability").setLevel(logging.NOTSET)
 
 
 def surge_series(kind: str, rise: float, seed: int) -> torch.Tensor:
@@ -421,7 +421,7 @@ def test_trl_config_checks_length_decay_options(tmp_path):
 def test_recipes_take_the_length_decay_keys():
     pytest.importorskip("yaml")
     pytest.importorskip("otbrl.integrations.trl")
-    from otbrl.train import load_recipe, recipe_names
+    from otbrl.app.train import load_recipe, recipe_names
 
     recipe = load_recipe("demo", {"length_decay": True, "length_decay_factor": 0.7})
     assert recipe["length_decay"] is True and recipe["length_decay_factor"] == 0.7

@@ -15,9 +15,9 @@ pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
 
+from otbrl.rollout.sampler import sample  # noqa: E402
 from otbrl.tasks import TASKS, char_tokenizer, dataset, get_task, running_sum_dense  # noqa: E402
 from otbrl.tasks.models import PRESETS, tiny_model  # noqa: E402
-from otbrl.tasks.sampling import sample  # noqa: E402
 from otbrl.tasks.tokenizer import CHARS, SPECIAL_TOKENS, VOCAB_SIZE  # noqa: E402
 from otbrl.tasks.warmstart import _earliest_passing, warm_start  # noqa: E402
 

@@ -1,5 +1,6 @@
-"""otbrl.studies.variance: batch gradients and exact norms against per-token float64 autograd on left-padded
-rollouts, the Gram-matrix statistics against direct formulas, and `otbrl variance --quick` end to end."""
+"""otbrl.app.studies.variance: batch gradients and exact norms against per-token float64 autograd on
+left-padded rollouts, the Gram-matrix statistics against direct formulas, and `otbrl variance --quick`
+end to end."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 import otbrl
-from otbrl.cli import main
-from otbrl.studies import variance as v
+from otbrl.app.cli import main
+from otbrl.app.studies import variance as v
 
 
 @pytest.fixture(scope="module")

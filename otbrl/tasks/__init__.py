@@ -1,8 +1,8 @@
-"""Synthetic verifiable tasks for tiny models: tasks and rewards, a character tokenizer, a tiny Qwen2
-factory, a KV-cache sampler that returns log-probs, and a cached supervised warm start.
+"""Built-in verifiable tasks for tiny models: tasks and their rewards (`builtin`), a character tokenizer,
+a tiny Qwen2 factory (`models`) and a cached supervised warm start (`warmstart`).
 
-`otbrl.tasks.tasks` and the tokenizer constants are pure Python; the model, sampling and warm-start
-names load transformers on first use. Needs the `tasks` extra (transformers, tokenizers, safetensors).
+`otbrl.tasks.builtin` and the tokenizer constants are pure Python (torch alone suffices); the model and
+warm-start names load transformers on first use (the `trl` extra).
 """
 
 from __future__ import annotations
@@ -10,15 +10,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from otbrl.tasks.tasks import TASKS, Task, dataset, get_task, running_sum_dense
+from otbrl.tasks.builtin import TASKS, Task, dataset, get_task, running_sum_dense
 from otbrl.tasks.tokenizer import VOCAB_SIZE, char_tokenizer
 
 _LAZY = {
     "PRESETS": "models",
     "tiny_model": "models",
-    "Samples": "sampling",
-    "sample": "sampling",
-    "evaluate": "warmstart",
     "warm_start": "warmstart",
 }
 

@@ -22,8 +22,9 @@ import transformers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
+from otbrl.rollout.evaluate import evaluate
+from otbrl.tasks.builtin import TASKS, Task, dataset, get_task
 from otbrl.tasks.models import PRESETS, tiny_model
-from otbrl.tasks.tasks import TASKS, Task, dataset, get_task
 from otbrl.tasks.tokenizer import char_tokenizer
 
 # Bump when a change to this module, the tasks or the models changes what a warm start produces.
@@ -31,31 +32,12 @@ WARM_START_VERSION = 1
 
 
 # Warm starts that ship inside the package, so a fresh machine need not rebuild them (read-only).
-SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints"
+SHIPPED = Path(__file__).resolve().parents[1] / "app" / "checkpoints"
 
 
 def default_cache_dir() -> Path:
     """`$OTBRL_CACHE`, else `~/.cache/otbrl`."""
     return Path(os.environ.get("OTBRL_CACHE") or Path.home() / ".cache" / "otbrl")
-
-
-def evaluate(
-    model: Qwen2ForCausalLM,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    rows: list[dict[str, str]],
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> float:
-    """Mean reward of one sampled completion per row (at `temperature`, reproducible given `seed`)."""
-    from otbrl.multiturn import sample_texts
-
-    gen = torch.Generator(device=model.device).manual_seed(seed)
-    texts = sample_texts(
-        model, tokenizer, [r["prompt"] for r in rows], task.max_completion_tokens, temperature, gen,
-        task.tools, task.max_turns,
-    )  # fmt: skip
-    return sum(task.reward(c, r["answer"]) for c, r in zip(texts, rows, strict=True)) / len(rows)
 
 
 def supervised_batch(
@@ -199,7 +181,10 @@ def _train(
     bar = _progress(max_seconds, task.name) if log else None
 
     def eval_reward() -> float:
-        return evaluate(model.eval(), tokenizer, task, eval_rows, seed=spec["seed"])
+        return evaluate(
+            model, tokenizer, eval_rows, task.score, task.max_completion_tokens, seed=spec["seed"],
+            tools=task.tools, max_turns=task.max_turns,
+        )  # fmt: skip
 
     start, step, reward, loss, history = time.perf_counter(), 0, 0.0, float("nan"), []
     snapshots: list[tuple[int, dict[str, torch.Tensor]]] = []  # states since the last evaluation

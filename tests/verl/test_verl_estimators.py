@@ -70,7 +70,7 @@ def test_entry_point_registers_estimators_and_trainer_mode():
 
     # A plain `import verl` loads the plugin through the entry point: nothing imports otbrl by hand.
     estimators, trainers = registered("auto")
-    assert estimators == dict.fromkeys(plugin.ESTIMATORS, "otbrl.integrations.verl")
+    assert estimators == dict.fromkeys(plugin.VERL_ESTIMATORS, "otbrl.integrations.verl.estimators")
     assert plugin.TRAINER_MODE in trainers
     # With verl's plugin discovery off, nothing of otbrl's is there: the entry point did the work.
     estimators, trainers = registered("none")

@@ -12,7 +12,7 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.v1 import get_trainer_cls
 
 import otbrl.integrations.verl as plugin
-from otbrl.integrations.verl_trainer import OTBPPOTrainerSync, check_config
+from otbrl.integrations.verl.trainer import OTBPPOTrainerSync, check_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "verl"
 # Keys verl's config does not have by design: otbrl's section and the environment for Ray workers.
@@ -68,5 +68,5 @@ def test_example_selects_otbrl(example):
 
 def test_one_override_switches_to_leave_one_out():
     config = composed("otb_gsm8k", ["algorithm.adv_estimator=otbrl_otb_loo"])
-    assert plugin.ESTIMATORS[config.algorithm.adv_estimator] == ("position", True)
+    assert plugin.VERL_ESTIMATORS[config.algorithm.adv_estimator] == ("position", True)
     assert check_config(config) is True

@@ -15,7 +15,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.experimental import torch_functional as verl_fused_module
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from otbrl.integrations import verl_fused
+from otbrl.integrations.verl import fused as verl_fused
 
 VERL_HEAD = verl_fused._VerlFusedLinear
 

@@ -20,7 +20,8 @@ from verl.workers.engine.fsdp import transformer_impl
 
 import otbrl
 import otbrl.integrations.verl as plugin
-from otbrl.integrations.verl_trainer import (
+from otbrl.integrations.verl.common import current_token_stats
+from otbrl.integrations.verl.trainer import (
     OTBPPOTrainerSync,
     advantage_token_stats,
     check_config,
@@ -58,7 +59,7 @@ def test_compute_advantage_hands_sum_pi_squared_to_otbrl(name):
         got.batch["advantages"], expected.batch["advantages"] * keep, rtol=1e-5, atol=1e-5
     )
     assert got.batch["advantages"].abs().max() > 0.05
-    assert plugin._TOKEN_STATS.get() is None  # nothing leaks into later calls
+    assert current_token_stats() is None  # nothing leaks into later calls
 
 
 def test_rollout_is_weights_are_verls_truncated_ratios():
@@ -112,7 +113,7 @@ def test_check_config(monkeypatch):
     with pytest.raises(ValueError, match="use_fused_kernels"):
         check_config(config("otbrl_tir_otb", **fused))
     assert check_config(config("grpo", **fused)) is False  # other estimators keep verl's behaviour
-    # With otbrl's chunked Σπ² in the workers, fused kernels are fine (otbrl.integrations.verl_fused).
+    # With otbrl's chunked Σπ² in the workers, fused kernels are fine (otbrl.integrations.verl.fused).
     workers = {"ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {plugin.CHUNKED_ENV: "1"}}}}}
     assert check_config(config("otbrl_tir_otb", **fused, **workers)) is True
     with pytest.raises(ValueError, match="bypass_mode"):

@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from tensordict.tensorclass import NonTensorStack
 from verl.trainer.ppo import core_algos
 
-from otbrl.integrations.verl_trainer import OTBPPOTrainerSync
+from otbrl.integrations.verl.trainer import OTBPPOTrainerSync
 from tests.verl.test_verl_estimators import verl_batch
 
 

@@ -21,7 +21,7 @@ class Task:
     `make(rng) -> (prompt, answer)`; `reward(completion, answer) -> 1.0 | 0.0`. `max_completion_tokens`
     is enough for the longest answer plus the end-of-sequence token (tool output included).
 
-    A task that uses tools (`otbrl.multiturn`) names them in `tools` and gives `demonstrate(prompt,
+    A task that uses tools (`otbrl.rollout.multiturn`) names them in `tools` and gives `demonstrate(prompt,
     answer, rng) -> [(text, trained), ...]`: a supervised warm start's target, split into the model's
     own text (trained) and tool output (not trained).
     """
@@ -34,6 +34,10 @@ class Task:
     tools: tuple[str, ...] = ()
     max_turns: int = 0
     demonstrate: Callable[[str, str, random.Random], list[tuple[str, bool]]] | None = None
+
+    def score(self, prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+        """Rewards of a batch, in the form `otbrl.rollout.evaluate` takes."""
+        return [self.reward(c, a) for c, a in zip(completions, answers, strict=True)]
 
 
 def clean(completion: str) -> str:

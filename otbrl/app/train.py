@@ -32,7 +32,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "warm_start_target": 0.3,
     "warm_start_seed": 0,  # the warm start's own seed: runs with different `seed`s start from one model
     "warm_start_seconds": 600.0,
-    "tools": None,  # tool names for multi-turn rollouts (otbrl.multiturn), e.g. [calc]; None: the task's
+    "tools": None,  # tool names for multi-turn rollouts (otbrl.rollout), e.g. [calc]; None: the task's
     "max_turns": None,  # tool calls per completion; None: the task's (3 without a task)
     "threads": None,  # torch threads; None keeps torch's default
     "plot": True,
@@ -180,7 +180,7 @@ def make_reward(recipe: dict[str, Any]) -> Callable[..., list[float]]:
 
         task_reward.__name__ = f"{task.name}_reward"
         return task_reward
-    from otbrl.rewards import get_reward
+    from otbrl.app.rewards import get_reward
 
     return get_reward(recipe["reward"])
 
@@ -197,35 +197,12 @@ def tool_settings(recipe: dict[str, Any]) -> tuple[tuple[str, ...], int]:
         tools = [tools]
     turns = recipe["max_turns"] if recipe["max_turns"] is not None else (task.max_turns if task else 3)
     if tools:
-        from otbrl.multiturn import resolve_tools
+        from otbrl.rollout.multiturn import resolve_tools
 
         resolve_tools(list(tools))  # unknown names fail here
         if int(turns) < 1:
             raise ValueError(f"max_turns: must be >= 1 when tools are given, got {turns}")
     return tuple(tools), int(turns)
-
-
-@torch.no_grad()
-def evaluate(
-    model: Any,
-    tokenizer: Any,
-    rows: list[dict],
-    reward: Callable,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    tools: tuple[str, ...] = (),
-    max_turns: int = 0,
-) -> float:
-    """Mean reward of one sampled completion per held-out prompt (with tool calls if `tools`)."""
-    from otbrl.multiturn import sample_texts
-
-    model.eval()
-    gen = torch.Generator(device=model.device).manual_seed(seed)
-    prompts = [r["prompt"] for r in rows]
-    texts = sample_texts(model, tokenizer, prompts, max_new_tokens, temperature, gen, tools, max_turns)
-    scores = reward(prompts=prompts, completions=texts, answer=[r["answer"] for r in rows])
-    return float(sum(scores) / len(scores))
 
 
 def _metrics_callback(path: Path, tokens_per_step: int) -> Any:
@@ -279,8 +256,13 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    from otbrl.rollout import evaluate
+
+    def score(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+        return reward(prompts=prompts, completions=completions, answer=answers)
+
     evaluate_now = lambda: evaluate(  # noqa: E731
-        model, tokenizer, eval_rows, reward, config.max_completion_length, config.temperature, recipe["seed"],
+        model, tokenizer, eval_rows, score, config.max_completion_length, config.temperature, recipe["seed"],
         tools, max_turns,
     )  # fmt: skip
     before = evaluate_now()
@@ -314,7 +296,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
 def _tool_rollouts(tools: tuple[str, ...], max_turns: int) -> Callable:
     import os
 
-    from otbrl.multiturn import rollout_func
+    from otbrl.integrations.trl import rollout_func
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns that rollout_func is experimental
     return rollout_func(list(tools), max_turns)

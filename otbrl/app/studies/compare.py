@@ -108,7 +108,7 @@ def load_experiment(spec: str, quick: bool = False) -> Experiment:
 
 def plan(exp: Experiment, out: Path) -> list[Run]:
     """One Run per (arm, seed), with the overrides that make it (recipe keys, as `otbrl train` takes)."""
-    from otbrl.train import load_recipe
+    from otbrl.app.train import load_recipe
 
     runs = []
     for arm, arm_overrides in exp.arms.items():
@@ -151,7 +151,7 @@ def execute(exp: Experiment, runs: list[Run], jobs: int = 2, log: Any = print) -
 
     def one(run: Run) -> None:
         run.dir.mkdir(parents=True, exist_ok=True)
-        args = [sys.executable, "-m", "otbrl.cli", "train", "--config", exp.recipe]
+        args = [sys.executable, "-m", "otbrl.app.cli", "train", "--config", exp.recipe]
         for key, value in run.overrides.items():
             args += [f"--{key}", json.dumps(value) if isinstance(value, dict | list | bool) else str(value)]
         env = {**os.environ, "OMP_NUM_THREADS": str(run.overrides["threads"])}
@@ -379,7 +379,7 @@ def plot(exp: Experiment, result: dict[str, Any], png: Path) -> None:
 def report(exp: Experiment, result: dict[str, Any], results: Path, command: str, seconds: float,
            failures: list[str]) -> Path:  # fmt: skip
     """Write `<results>/<name>.md` (+ .png and a .json of the per-arm numbers)."""
-    from otbrl.train import load_recipe
+    from otbrl.app.train import load_recipe
 
     results.mkdir(parents=True, exist_ok=True)
     run_minutes = sum(r["train_seconds"] for runs in result["runs"].values() for r in runs) / 60

@@ -1,4 +1,4 @@
-"""OTB inside TRL's GRPOTrainer: swap `GRPOConfig, GRPOTrainer` for `OTBGRPOConfig, OTBGRPOTrainer`.
+"""`OTBGRPOTrainer`: TRL's GRPOTrainer whose loss receives (B, T) advantages from any otbrl estimator.
 
 After TRL generates and scores a batch, the trainer computes each completion token's energy in a no-grad
 pass (final hidden states through `otbrl.fused_token_stats`, never the full logits), gathers what the
@@ -10,174 +10,16 @@ GRPO, RLOO, OPO and OTB runs differ only in `advantage_estimator`.
 from __future__ import annotations
 
 import functools
-import json
 import math
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+from trl import GRPOTrainer
 
 import otbrl
-from otbrl.diagnostics import SurgeDetector, batch_diagnostics
-from otbrl.schedules import LengthSurgeDecay
-
-TESTED_TRL = ("1.16", "1.17")  # [low, high): the range this adapter was tested with
-
-
-def _check_trl_version() -> None:
-    import trl
-    from packaging.version import Version
-
-    low, high = TESTED_TRL
-    if not Version(low) <= Version(trl.__version__) < Version(high):
-        raise ImportError(
-            f"otbrl.integrations.trl was tested with trl>={low},<{high} and relies on its GRPOTrainer "
-            f"internals; found trl {trl.__version__}. Install a tested version: pip install 'otbrl[trl]'"
-        )
-
-
-_check_trl_version()
-
-from transformers import TrainerCallback  # noqa: E402
-from transformers.trainer_callback import ExportableState  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-
-
-@dataclass
-class OTBGRPOConfig(GRPOConfig):
-    """GRPOConfig plus the advantage estimator. `estimator_options` holds the estimator's keywords
-    (e.g. {"leave_one_out": true}); a JSON string is accepted, as from a command line."""
-
-    advantage_estimator: str = field(
-        default="otb", metadata={"help": "an otbrl estimator: " + ", ".join(sorted(otbrl.ESTIMATORS))}
-    )
-    estimator_options: dict | str | None = field(
-        default=None, metadata={"help": 'options of the estimator, e.g. {"leave_one_out": true}'}
-    )
-    surge_factor: float = field(
-        default=3.0, metadata={"help": "grad-norm surge: factor over the running median"}
-    )
-    surge_window: int = field(default=50, metadata={"help": "grad-norm surge: steps in the running median"})
-    # Length-surge LR decay: otbrl.schedules.LengthSurgeDecay (its docstring has the rule) under
-    # length_decay_<its argument>. Counted in logging steps: it sees one mean length per log.
-    length_decay: bool = field(default=False, metadata={"help": "decay the LR when completion length surges"})
-    length_decay_factor: float = field(default=0.5, metadata={"help": "LR multiplier per trigger"})
-    length_decay_threshold: float = field(default=1.25, metadata={"help": "high: smoothed length/median >"})
-    length_decay_zscore: float = field(default=3.0, metadata={"help": "high: and (length-median)/noise >"})
-    length_decay_smoothing: float = field(default=0.2, metadata={"help": "EMA weight of the newest length"})
-    length_decay_window: int = field(default=50, metadata={"help": "steps in the baseline (median, noise)"})
-    length_decay_warmup: int = field(default=20, metadata={"help": "lengths seen before any trigger"})
-    length_decay_patience: int = field(default=3, metadata={"help": "consecutive high steps that fire"})
-    length_decay_cooldown: int = field(default=20, metadata={"help": "steps with no trigger after one"})
-    length_decay_min_factor: float = field(default=0.1, metadata={"help": "floor of the LR multiplier"})
-    length_decay_on_grad_surge: bool = field(default=False, metadata={"help": "a grad-norm surge fires too"})
-    # transformers leaves stateful callbacks (here the surge detector) at their initial state on resume
-    # unless asked; a resumed run should continue where it stopped.
-    restore_callback_states_from_checkpoint: bool = field(
-        default=True, metadata={"help": "restore stateful callbacks (the surge detector) on resume"}
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.estimator_options, str):
-            try:
-                self.estimator_options = json.loads(self.estimator_options)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"estimator_options: not valid JSON ({err})") from None
-        self.estimator_options = dict(self.estimator_options or {})
-        spec = otbrl.ESTIMATORS.get(self.advantage_estimator)
-        if spec is None or self.advantage_estimator == "otb_exact":
-            known = ", ".join(sorted(set(otbrl.ESTIMATORS) - {"otb_exact"}))
-            raise ValueError(
-                f"advantage_estimator: unknown or unsupported {self.advantage_estimator!r}; known: {known}"
-            )
-        unknown = sorted(set(self.estimator_options) - set(spec.options))
-        if unknown:
-            raise ValueError(
-                f"estimator_options: {unknown[0]!r} is not an option of {self.advantage_estimator!r} "
-                f"(its options: {', '.join(spec.options) or 'none'})"
-            )
-        try:  # checked even when off, so that a bad value does not wait for the day it is switched on
-            LengthSurgeDecay(**self.length_decay_options())
-        except ValueError as err:
-            raise ValueError(f"length_decay_{err}") from None  # LengthSurgeDecay names the argument first
-
-    def length_decay_options(self) -> dict[str, Any]:
-        """The length_decay_* fields as LengthSurgeDecay's keyword arguments."""
-        prefix = "length_decay_"
-        return {
-            f.name[len(prefix) :]: getattr(self, f.name) for f in fields(self) if f.name.startswith(prefix)
-        }
-
-
-class SurgeCallback(TrainerCallback, ExportableState):
-    """Holds the grad-norm surge detector so its history is saved in checkpoints and restored on resume
-    (OTBGRPOConfig sets restore_callback_states_from_checkpoint=True for that)."""
-
-    def __init__(self, factor: float = 3.0, window: int = 50, warmup: int = 10) -> None:
-        self.detector = SurgeDetector(factor=factor, window=window, warmup=warmup)
-
-    @property
-    def detector_state(self) -> dict:
-        return self.detector.state_dict()
-
-    @detector_state.setter
-    def detector_state(self, value: dict) -> None:
-        self.detector.load_state_dict(value)
-
-    def state(self) -> dict:
-        d = self.detector
-        return {"args": {"factor": d.factor, "window": d.window, "warmup": d.warmup},
-                "attributes": {"detector_state": d.state_dict()}}  # fmt: skip
-
-
-class LengthDecayCallback(TrainerCallback, ExportableState):
-    """Length-surge LR decay (otbrl.schedules.LengthSurgeDecay) for transformers' Trainer; saved in
-    checkpoints and restored on resume. OTBGRPOTrainer adds it when `length_decay` is on and logs
-    otb/lr_decay_factor (the LR multiplier) and otb/lr_decay_trigger (1 on a step that fired).
-
-    With TRL's plain GRPOTrainer pass it in `callbacks=[LengthDecayCallback(...)]` (and set
-    restore_callback_states_from_checkpoint=True): it reads completions/mean_length in `on_log`, after
-    the Trainer has recorded the logs, so its entries reach later callbacks but not state.log_history.
-    The decay itself lives in the optimizer's and scheduler's state (otbrl.schedules.scale_learning_rate),
-    so a resumed run keeps its decayed LR even without this callback."""
-
-    def __init__(self, **options: Any) -> None:
-        self.decay = LengthSurgeDecay(**options)
-        self.last_step = -1  # the global step last observed: one observation per step
-
-    @property
-    def decay_state(self) -> dict:
-        return {**self.decay.state_dict(), "last_step": self.last_step}
-
-    @decay_state.setter
-    def decay_state(self, value: dict) -> None:
-        value = dict(value)
-        self.last_step = int(value.pop("last_step"))
-        self.decay.load_state_dict(value)
-
-    def state(self) -> dict:
-        return {"args": dict(self.decay.config), "attributes": {"decay_state": self.decay_state}}
-
-    def observe(
-        self, step: int, mean_length: float | None, grad_surge: bool, optimizer: Any, lr_scheduler: Any
-    ) -> dict[str, float]:
-        """Feed one step's mean length; apply any decay to the optimizer and scheduler; return log entries."""
-        if step == self.last_step:
-            return {}
-        self.last_step = step
-        self.decay.update(mean_length, optimizer, lr_scheduler, grad_surge=grad_surge)
-        return {
-            "otb/lr_decay_factor": self.decay.multiplier,
-            "otb/lr_decay_trigger": float(bool(self.decay.fired)),
-        }
-
-    def on_log(self, args, state, control, logs=None, optimizer=None, lr_scheduler=None, **kwargs):  # noqa: ANN001, ANN201
-        if logs is not None and "completions/mean_length" in logs and optimizer is not None:
-            logs.update(self.observe(
-                state.global_step, logs["completions/mean_length"], bool(logs.get("otb/grad_norm_surge")),
-                optimizer, lr_scheduler,
-            ))  # fmt: skip
+from otbrl.integrations.trl.callbacks import LengthDecayCallback, SurgeCallback
+from otbrl.integrations.trl.config import OTBGRPOConfig
+from otbrl.stability import batch_diagnostics
 
 
 class _GuardedReward:
@@ -315,7 +157,7 @@ class OTBGRPOTrainer(GRPOTrainer):
         self._failures_seen = failures
         self._failures_total += self.accelerator.gather(new).sum().item()
         metrics["otb/reward_failures"].append(self._failures_total)
-        if all("tool_calls" in x for x in inputs):  # multi-turn rollouts (otbrl.multiturn) report calls
+        if all("tool_calls" in x for x in inputs):  # tool rollouts (otbrl.rollout) report calls
             calls = torch.tensor([float(x["tool_calls"]) for x in inputs], device=mask.device)
             metrics["otb/tool_calls"].append(self.accelerator.gather(calls).mean().item())
         # TRL's completions table shows one advantage per sequence: show the mean over its tokens.

@@ -1,5 +1,6 @@
 """A tabular autoregressive softmax policy whose policy gradient is known exactly: a testbed where
-baselines can be judged by bias and variance against the true gradient. `python -m otbrl.toy` runs it.
+baselines can be judged by bias and variance against the true gradient.
+`python -m otbrl.app.studies.toy` runs it.
 
 Each step t has its own logits theta[t, previous token], so a token's score e_y - pi lives in its own
 parameter block: the Logit-Gradient Proxy is exact here and W_t is the exact squared score norm.

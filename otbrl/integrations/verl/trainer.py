@@ -22,7 +22,13 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.utils.padding import response_from_nested
 
-from otbrl.integrations.verl import CHUNKED_ENV, ESTIMATORS, STATS_FIELD, TRAINER_MODE, token_stats
+from otbrl.integrations.verl.common import (
+    CHUNKED_ENV,
+    STATS_FIELD,
+    TRAINER_MODE,
+    VERL_ESTIMATORS,
+    token_stats,
+)
 
 
 def chunked_in_workers(config: Any) -> bool:
@@ -35,7 +41,7 @@ def chunked_in_workers(config: Any) -> bool:
 def check_config(config: Any) -> bool:
     """True when the configured estimator is one of otbrl's (so Σπ² must flow); raises ValueError for
     settings under which the actor cannot produce Σπ²."""
-    if config.algorithm.adv_estimator not in ESTIMATORS:
+    if config.algorithm.adv_estimator not in VERL_ESTIMATORS:
         return False
     if config.actor_rollout_ref.model.get("use_fused_kernels", False) and not chunked_in_workers(config):
         raise ValueError(

@@ -2,9 +2,8 @@
 call's parentheses close, the tool runs, its output comes back into the context as `:output;` (mask 0:
 never trained on, no energy, no advantage), and generation resumes, up to `max_turns` tool calls.
 
-`rollout_func(tools, max_turns)` plugs this into TRL (`OTBGRPOTrainer(..., rollout_func=...)`): it
-returns TRL's rollout dict with `env_mask`, which TRL turns into the `tool_mask` that the trainer and
-OTB's generated-token alignment use. `sample_with_tools` is the same loop for evaluation and warm starts.
+`sample_with_tools` is the loop; `otbrl.integrations.trl.rollout_func` plugs it into TRL, and
+`sample_texts` serves evaluation and warm starts.
 
 After `max_turns` calls, a further call is left as plain text: it does not pause and gets no output.
 Tool output is cut to fit the completion budget. A tool that raises returns its error as its output;
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from otbrl.rollout.sampler import decode, sample
 
 Tool = Callable[[str], str]
 OUTPUT_START, OUTPUT_END = ":", ";"  # around a tool's output in the context
@@ -110,8 +111,6 @@ def sample_with_tools(
     """One completion per prompt (repeat prompts for groups), with tool calls executed between turns.
     Every turn re-reads each unfinished row's whole context (prompt, its tokens, tool output) and samples
     with a KV cache until eos, the end of its token budget, or a closed tool call."""
-    from otbrl.tasks.sampling import decode
-
     if max_turns < 0:
         raise ValueError(f"max_turns: must be >= 0, got {max_turns}")
     vocab = tokenizer.get_vocab()
@@ -182,39 +181,4 @@ def sample_texts(
         return sample_with_tools(
             model, tokenizer, ids, toolbox, max_new_tokens, max_turns, temperature, generator=generator
         ).texts
-    from otbrl.tasks.sampling import sample
-
     return sample(model, tokenizer, prompts, 1, max_new_tokens, temperature, generator=generator).texts
-
-
-def rollout_func(
-    tools: list[str] | tuple[str, ...] | Mapping[str, Tool] = ("calc",), max_turns: int = 3, workers: int = 4
-) -> Callable[[list, Any], dict[str, Any]]:
-    """A TRL `rollout_func` that samples with tools: `OTBGRPOTrainer(..., rollout_func=rollout_func())`.
-    Prompts must be plain text. Reward functions receive `tool_calls` (calls executed per completion)."""
-    toolbox = resolve_tools(tools)
-
-    def rollout(prompts: list, trainer: Any) -> dict[str, Any]:
-        if any(not isinstance(p, str) for p in prompts):
-            raise ValueError("rollout_func: tool rollouts take plain-text prompts, not chat messages")
-        tokenizer = trainer.processing_class
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        was_training = model.training
-        model.eval()
-        try:
-            ids = tokenizer(text=prompts, add_special_tokens=False)["input_ids"]
-            out = sample_with_tools(
-                model, tokenizer, ids, toolbox, trainer.max_completion_length, max_turns,
-                trainer.temperature, workers=workers,
-            )  # fmt: skip
-        finally:
-            model.train(was_training)
-        return {
-            "prompt_ids": out.prompt_ids,
-            "completion_ids": out.completion_ids,
-            "logprobs": out.logprobs,
-            "env_mask": out.model_mask,
-            "tool_calls": out.calls,
-        }
-
-    return rollout

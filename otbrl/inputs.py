@@ -1,6 +1,7 @@
-"""Validation of a rollout batch and the clean view of it that every estimator receives.
+"""Validation of estimator input, and the clean (B, T) `Rollouts` view that every estimator receives.
 
-All checks on user input live here, so each estimator can assume finite, masked float tensors.
+All checks on user input live here (with the one compute-dtype rule), so each estimator can assume
+finite, masked float tensors.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def check_temperature(temperature: Any) -> None:
 
 
 def compute_dtype(*values: Any) -> torch.dtype:
-    """float64 if any given tensor is float64, else float32 (whatever lower precision came in)."""
-    wide = any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in values)
+    """The one precision rule of otbrl: float64 if any given tensor (or dtype) is float64, else float32
+    (whatever lower precision came in: bf16 and fp16 are accumulated in float32)."""
+    wide = any(getattr(v, "dtype", v) == torch.float64 for v in values)
     return torch.float64 if wide else torch.float32
 
 
@@ -142,10 +144,27 @@ def check_rewards(
         row, col = (int(i) for i in lost.nonzero()[0])
         raise ValueError(
             f"rewards: {int(lost.sum())} nonzero token reward(s) sit on mask == 0 positions (first at row "
-            f"{row}, position {col}) and would be dropped; put an outcome reward on the last policy token"
+            f"{row}, position {col}) and would be dropped; put an outcome reward on the last policy token "
+            "(otbrl.inputs.rewards_onto_policy_tokens moves each reward there)"
         )
     returns = r.flip(-1).cumsum(-1).flip(-1)
     return torch.where(mask, returns, 0.0), r.sum(dim=-1)
+
+
+def rewards_onto_policy_tokens(rewards: Any, mask: Any) -> torch.Tensor:
+    """(B, T) token rewards -> the same rewards with each one that sits on a mask == 0 token (a tool
+    token, or padding after the response) moved onto the last policy token at or before it, which is
+    where `compute_advantages` expects it. Rewards with no policy token before them (a row with none)
+    are dropped, as such a row has no token to credit."""
+    mask = check_mask(mask)
+    rewards = _as_tensor("rewards", rewards, mask.device)
+    if rewards.shape != mask.shape:
+        raise ValueError(f"rewards: shape {tuple(rewards.shape)} does not match mask {tuple(mask.shape)}")
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last_policy = torch.where(mask, positions, -1).cummax(dim=-1).values
+    off = torch.where(mask | (last_policy < 0), 0.0, rewards)
+    moved = torch.zeros_like(off).scatter_add_(-1, last_policy.clamp_min(0), off)
+    return torch.where(mask, rewards, 0.0) + moved
 
 
 def make_rollouts(*, rewards: Any, mask: Any, group_ids: Any, energy: Any = None) -> Rollouts:

@@ -17,7 +17,8 @@ Method (repeated on the results page):
   mean_k ||g_k - g_ref||^2 / ||g_ref||^2 (includes the reference's own noise); noise-to-signal
   trace Cov / ||E g||^2 with ||E g||^2 estimated without bias as ||mean g||^2 - trace Cov / K (scale-free:
   rloo and the group mean differ by the factor N / (N - 1)); cosine(mean g_k, g_ref). Same definitions as
-  `otbrl.toy.gradient_study`, except that the noise-to-signal ratio is debiased for the small K here.
+  `otbrl.app.studies.toy.gradient_study`, except
+  that the noise-to-signal ratio is debiased for the small K here.
   Standard errors of variances and their ratios are delete-one jackknife over batches.
 - otb_exact uses exact ||grad_theta log pi(y_t)||^2 (`otbrl.exact`, one backward per token), so it runs on
   the first `exact_batches` batches of each N only; its ratio to the proxy OTB is taken on those batches.
@@ -39,9 +40,9 @@ from typing import Any
 import torch
 
 import otbrl
+from otbrl.app.studies.report import machine, markdown_table
 from otbrl.energy import token_energy
 from otbrl.exact import score_sq_norms
-from otbrl.studies.report import machine, markdown_table
 
 # label -> (registered estimator, its options, which energy it reads: None, "proxy" or "exact")
 SETTINGS: dict[str, tuple[str, dict[str, Any], str | None]] = {
@@ -96,7 +97,7 @@ class Rollout:
 
 def draw(model: Any, tokenizer: Any, task: Any, rows: list[dict], n: int, gen: torch.Generator) -> Rollout:
     """Sample n completions of each row's prompt at temperature 1 and score them."""
-    from otbrl.tasks import sample
+    from otbrl.rollout import sample
 
     s = sample(
         model, tokenizer, [r["prompt"] for r in rows], n, task.max_completion_tokens, 1.0, generator=gen
@@ -615,7 +616,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Command line (otbrl.cli adds these arguments to its `variance` subcommand).
+# Command line (otbrl.app.cli adds these arguments to its `variance` subcommand).
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from otbrl.studies.compare import compare, experiment_names
-from otbrl.train import load_recipe, parse_value, recipe_names, run, summary_table
+from otbrl.app.studies.compare import compare, experiment_names
+from otbrl.app.train import load_recipe, parse_value, recipe_names, run, summary_table
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -66,14 +66,14 @@ def main(argv: list[str] | None = None) -> None:
     comp.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
     claims = sub.add_parser("claims", help="write claims.md from the studies' results (verdicts by rule)")
     claims.add_argument("--results", type=Path, default=Path("docs/results"))
-    from otbrl.studies import variance
+    from otbrl.app.studies import variance
 
     variance.add_arguments(
         sub.add_parser("variance", help="gradient variance of each estimator at a fixed checkpoint")
     )
     args, rest = parser.parse_known_args(argv)
     if args.command == "claims":
-        from otbrl.studies.claims import write_claims
+        from otbrl.app.studies.claims import write_claims
 
         print(f"wrote {write_claims(args.results)}")
         return

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otbrl.studies.compare import mean_sd
+from otbrl.app.studies.compare import mean_sd
 
 Row = tuple[str, str, str, str]  # claim, measurement, verdict, command
 

@@ -1,0 +1,95 @@
+"""otbrl's OTB under verl's estimator calling convention: (B, T) token rewards, response mask, uid array
+and config in; (advantages, returns) out. Only translation happens here: energy from verl's old
+log-probs and Σπ², rewards onto policy tokens and the estimator itself come from otbrl's core."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from otbrl.energy import token_energy_from_logprobs
+from otbrl.estimators import compute_advantages
+from otbrl.inputs import rewards_onto_policy_tokens
+from otbrl.integrations.verl.common import TRAINER_MODE, VERL_ESTIMATORS, current_token_stats
+
+_OPTIONS = ("leave_one_out", "zero_tail", "eps", "use_is_weights")
+
+
+def otbrl_options(config: Any) -> dict[str, Any]:
+    """otbrl's options from verl's algorithm config (`algorithm.otbrl.*`): a DictConfig, a dict, a
+    dataclass or None. Unknown keys raise, so a typo does not silently fall back to a default."""
+    section = None
+    if isinstance(config, Mapping) or hasattr(config, "get"):
+        with contextlib.suppress(Exception):  # struct DictConfigs and dataclasses may refuse .get
+            section = config.get("otbrl", None)
+    if section is None:
+        section = getattr(config, "otbrl", None)
+    if section is None:
+        return {}
+    options = dict(section.items())
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"algorithm.otbrl.{unknown[0]}: unknown option (known: {', '.join(_OPTIONS)})")
+    return options
+
+
+def _estimator(align: str, leave_one_out: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """An estimator with verl's calling convention for one (alignment, leave-one-out) choice."""
+
+    def estimate(
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        index: Any = None,
+        config: Any = None,
+        old_log_probs: torch.Tensor | None = None,
+        sum_pi_squared: torch.Tensor | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
+        **_: Any,  # verl passes extras for other estimators (reward_baselines, ...)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """verl estimator: (B, T) token rewards, response mask, uid array -> (advantages, returns)."""
+        if index is None:
+            raise ValueError("index: otbrl's OTB needs the prompt uid of every row (verl's 'uid')")
+        stats = current_token_stats() or {}
+        if old_log_probs is None or sum_pi_squared is None:
+            old_log_probs, sum_pi_squared = stats.get("old_log_probs"), stats.get("sum_pi_squared")
+            rollout_is_weights = stats.get("rollout_is_weights", rollout_is_weights)
+        if old_log_probs is None or sum_pi_squared is None:
+            raise ValueError(
+                "sum_pi_squared: otbrl's OTB needs per-token Σπ² and old log-probs; verl's default trainer "
+                f"does not pass them: set trainer.v1.trainer_mode={TRAINER_MODE} (see docs/verl.md)"
+            )
+        options = otbrl_options(config)
+        use_is = options.pop("use_is_weights", True)
+        options.setdefault("leave_one_out", leave_one_out)
+        mask = response_mask.bool()
+        # Padding may hold anything (the stats come padded): read the statistics at policy tokens only.
+        energy = token_energy_from_logprobs(
+            torch.where(mask, old_log_probs, 0.0), torch.where(mask, sum_pi_squared, 1.0)
+        )
+        weights = rollout_is_weights if use_is else None
+        result = compute_advantages(
+            "otb",
+            rewards=rewards_onto_policy_tokens(token_level_rewards.float(), mask),
+            mask=mask,
+            group_ids=index,
+            energy=energy,
+            align=align,
+            is_weights=None if weights is None else torch.where(mask, weights, 0.0),
+            **options,
+        )
+        dtype = token_level_rewards.dtype
+        return result.advantages.to(dtype), result.returns.to(dtype)
+
+    return estimate
+
+
+def register_estimators() -> None:
+    """Register otbrl's estimators in verl's registry (idempotent)."""
+    from verl.trainer.ppo import core_algos
+
+    for name, (align, loo) in VERL_ESTIMATORS.items():
+        if name not in core_algos.ADV_ESTIMATOR_REGISTRY:
+            core_algos.register_adv_est(name)(_estimator(align, loo))

@@ -1,0 +1,38 @@
+"""Held-out evaluation: the mean score of one sampled completion per prompt, with tool turns if asked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from otbrl.rollout.multiturn import Tool, sample_texts
+
+# score(prompts, completions, answers) -> one number per completion
+Scorer = Callable[[list[str], list[str], list[str]], Sequence[float]]
+
+
+@torch.no_grad()
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    rows: list[dict[str, str]],
+    score: Scorer,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    tools: Sequence[str] | Mapping[str, Tool] = (),
+    max_turns: int = 0,
+) -> float:
+    """Mean of `score` over one completion per row ({"prompt", "answer"}), sampled at `temperature`
+    (reproducible given `seed`), with tool calls between turns when `tools` names any. Leaves the model
+    in eval mode."""
+    if not rows:
+        raise ValueError("rows: nothing to evaluate")
+    model.eval()
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    prompts = [r["prompt"] for r in rows]
+    texts = sample_texts(model, tokenizer, prompts, max_new_tokens, temperature, gen, tools, max_turns)
+    scores = list(score(prompts, texts, [r["answer"] for r in rows]))
+    return float(sum(scores) / len(scores))
