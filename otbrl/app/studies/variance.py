@@ -43,6 +43,7 @@ import otbrl
 from otbrl.app.studies.report import machine, markdown_table
 from otbrl.energy import token_energy
 from otbrl.exact import score_sq_norms
+from otbrl.lm import predicting
 
 # label -> (registered estimator, its options, which energy it reads: None, "proxy" or "exact")
 SETTINGS: dict[str, tuple[str, dict[str, Any], str | None]] = {
@@ -121,7 +122,7 @@ def token_logprobs(model: torch.nn.Module, r: Rollout) -> tuple[torch.Tensor, to
     positions = (r.attention_mask.cumsum(-1) - 1).clamp(min=0)
     width = r.mask.shape[1]
     out = model(input_ids=r.input_ids, attention_mask=r.attention_mask, position_ids=positions)
-    logits = out.logits[:, -width - 1 : -1]  # column j predicts token j + 1
+    logits = predicting(out.logits, width)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     tokens = r.input_ids[:, -width:]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)

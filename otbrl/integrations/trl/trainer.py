@@ -19,6 +19,7 @@ from trl import GRPOTrainer
 import otbrl
 from otbrl.integrations.trl.callbacks import LengthDecayCallback, SurgeCallback
 from otbrl.integrations.trl.config import OTBGRPOConfig
+from otbrl.lm import predicting
 from otbrl.stability import batch_diagnostics
 
 
@@ -95,7 +96,7 @@ class OTBGRPOTrainer(GRPOTrainer):
         head = model.get_output_embeddings()
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention = torch.cat([prompt_mask, completion_mask], dim=1)
-        start, width = prompt_ids.shape[1] - 1, completion_ids.shape[1]  # position t predicts token t + 1
+        width = completion_ids.shape[1]
         rows = self.args.per_device_train_batch_size
         out = []
         for r in range(0, ids.shape[0], rows):
@@ -104,7 +105,7 @@ class OTBGRPOTrainer(GRPOTrainer):
                     input_ids=ids[r : r + rows], attention_mask=attention[r : r + rows]
                 ).last_hidden_state
             stats = otbrl.fused_token_stats(
-                hidden[:, start : start + width], head.weight, completion_ids[r : r + rows],
+                predicting(hidden, width), head.weight, completion_ids[r : r + rows],
                 temperature=self.temperature, bias=getattr(head, "bias", None),
             )  # fmt: skip
             out.append(stats.energy)
