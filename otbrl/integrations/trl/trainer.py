@@ -9,7 +9,6 @@ GRPO, RLOO, OPO and OTB runs differ only in `advantage_estimator`.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -19,46 +18,9 @@ from trl import GRPOTrainer
 import otbrl
 from otbrl.integrations.trl.callbacks import LengthDecayCallback, SurgeCallback
 from otbrl.integrations.trl.config import OTBGRPOConfig
+from otbrl.integrations.trl.rewards import GuardedReward
 from otbrl.lm import predicting
 from otbrl.stability import batch_diagnostics
-
-
-class _GuardedReward:
-    """A reward function whose failures cost one sample, not the run: an exception or a NaN/inf value
-    gives that sample reward 0 and is counted (`failures`). None passes through (TRL: not applicable)."""
-
-    def __init__(self, fn: Any) -> None:
-        functools.update_wrapper(self, fn)
-        self.fn, self.failures = fn, 0
-
-    def _value(self, v: Any) -> float | None:
-        if v is None:
-            return None
-        try:
-            v = float(v)
-        except (TypeError, ValueError):
-            v = math.nan
-        if math.isfinite(v):
-            return v
-        self.failures += 1
-        return 0.0
-
-    def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
-        try:
-            values = list(self.fn(prompts=prompts, completions=completions, **kwargs))
-            if len(values) != len(prompts):
-                raise ValueError(f"reward function returned {len(values)} values for {len(prompts)} samples")
-        except Exception:  # noqa: BLE001  -- find the failing samples one by one
-            values = [self._one(i, prompts, completions, kwargs) for i in range(len(prompts))]
-        return [self._value(v) for v in values]
-
-    def _one(self, i: int, prompts: list, completions: list, kwargs: dict) -> Any:
-        n = len(prompts)
-        single = {k: (v[i : i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
-        try:
-            return list(self.fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **single))[0]
-        except Exception:  # noqa: BLE001
-            return math.nan
 
 
 class OTBGRPOTrainer(GRPOTrainer):
@@ -67,7 +29,7 @@ class OTBGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, reward_funcs: Any = None, **kwargs: Any) -> None:
         funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         self._guarded = [
-            _GuardedReward(f) if callable(f) and not isinstance(f, torch.nn.Module) else f for f in funcs
+            GuardedReward(f) if callable(f) and not isinstance(f, torch.nn.Module) else f for f in funcs
         ]
         super().__init__(*args, reward_funcs=self._guarded, **kwargs)
         if not isinstance(self.args, OTBGRPOConfig):
