@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from otbrl.tools import run_python
+from otbrl.tools import _cgroup, run_python
 from otbrl.tools.sandbox import _SLOTS, _UID_BASE
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
@@ -53,6 +53,7 @@ def nothing_left_behind():
         time.sleep(0.05)
     assert _sandbox_processes() == [], "sandbox processes survived the suite"
     assert _leftover_dirs() == [], "sandbox directories survived the suite"
+    assert _cgroup.leftovers() == [], "per-call memory cgroups survived the suite"
 
 
 def _isolated(result) -> bool:

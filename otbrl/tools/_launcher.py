@@ -35,6 +35,13 @@ CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+# machine -> (AUDIT_ARCH_*, socket, io_uring_setup) syscall numbers for the fallback's seccomp filter
+SECCOMP_ARCH = {
+    "x86_64": (0xC000003E, 41, 425),
+    "aarch64": (0xC00000B7, 198, 425),
+    "riscv64": (0xC00000F3, 198, 425),
+}
 SYS_MOUNT_SETATTR = 442  # same number on x86_64 and aarch64
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 1
@@ -192,6 +199,42 @@ def _enter_root(root: str, say) -> None:
     os.chdir("/")
 
 
+class _SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _deny_sockets() -> None:
+    """Without namespaces: a seccomp filter makes socket() fail with EACCES for every address family,
+    so neither the network nor a host unix socket can be reached, ctypes or not (the audit hook stops
+    Python-level sockets only). socketpair() (multiprocessing, asyncio) still works. io_uring, which
+    can open sockets on its own, and foreign syscall ABIs (32-bit int 0x80, x32) are refused too."""
+    arch, sys_socket, sys_io_uring_setup = SECCOMP_ARCH[os.uname().machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    deny, allow = 0x00050000 | 13, 0x7FFF0000  # SECCOMP_RET_ERRNO | EACCES, SECCOMP_RET_ALLOW
+    program = [  # (code, jump if true, jump if false, k); jumps count from the next instruction
+        (ld, 0, 0, 4),  # seccomp_data.arch
+        (jeq, 0, 5, arch),
+        (ld, 0, 0, 0),  # seccomp_data.nr
+        (jge, 3, 0, 0x40000000),  # the x32 ABI's numbers
+        (jeq, 2, 0, sys_socket),
+        (jeq, 1, 0, sys_io_uring_setup),
+        (ret, 0, 0, allow),
+        (ret, 0, 0, deny),
+    ]
+    insns = (_SockFilter * len(program))(*(_SockFilter(*i) for i in program))
+    fprog = _SockFprog(len(program), insns)
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0), "seccomp")
+
+
 def _join_cgroup(cfg: dict, say) -> bool:
     """Move this (not yet isolated) launcher into the call's memory cgroup; its children inherit it."""
     if cfg["cgroup_procs"] is None:
@@ -214,7 +257,7 @@ RLIMIT_NOTE = (
 )
 
 
-def _exec_user(cfg: dict, isolated: bool, memcg: bool) -> None:
+def _exec_user(cfg: dict, isolated: bool, memcg: bool, say) -> None:
     uid = cfg["uid"]
     if uid is not None:  # root: a fresh uid of its own, so RLIMIT_NPROC binds and DAC protects files
         os.setgroups([])
@@ -222,6 +265,11 @@ def _exec_user(cfg: dict, isolated: bool, memcg: bool) -> None:
         os.setuid(uid)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)  # no setuid binaries (su, ping, ...) regain privileges
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # set after setuid, which clears it
+    if not isolated and cfg.get("seccomp"):
+        try:  # needs no privilege, only PR_SET_NO_NEW_PRIVS (set above)
+            _deny_sockets()
+        except OSError as e:
+            say("note", f"no seccomp filter ({e}): ctypes can still open sockets")
     cpu = cfg["cpu_s"]
     mem = cfg["memory_mb"] * 1024 * 1024
     limits = [
@@ -259,7 +307,7 @@ def _init(cfg: dict, root: str | None, memcg: bool, say) -> None:
     child = os.fork()
     if child == 0:
         try:
-            _exec_user(cfg, isolated, memcg)
+            _exec_user(cfg, isolated, memcg, say)
         except BaseException as e:  # noqa: BLE001 - report anything, the parent must never hang
             say("error", f"cannot start the interpreter as the sandbox user: {e}")
         os._exit(71)
@@ -294,10 +342,16 @@ def main() -> None:
         if cfg["require_isolation"]:
             say("error", f"namespace isolation unavailable: {e}")
             os._exit(70)
+        cfg["seccomp"] = os.uname().machine in SECCOMP_ARCH
+        sockets = (
+            "socket() is refused by a seccomp filter"
+            if cfg["seccomp"]
+            else "sockets are blocked by an audit hook only (ctypes can bypass it)"
+        )
         say(
             "note",
-            f"namespaces unavailable ({e}): no network, mount or pid isolation; sockets are "
-            "blocked by an audit hook only and the code may write to world-writable directories",
+            f"namespaces unavailable ({e}): no mount or pid isolation; {sockets}; the code may read "
+            "what the host lets any user read and write to world-writable directories",
         )
         if cfg["uid"] is not None and not _reachable(cfg["python"]):
             say(
