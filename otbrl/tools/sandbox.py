@@ -1,14 +1,21 @@
 """Run model-written Python in a throwaway, resource-limited process: `run_python(code) -> ToolResult`.
 
 Each call gets a fresh temporary directory and a child process tree (see `_launcher.py`) with:
-  * rlimits: CPU seconds, address space (`memory_mb`, per process), processes, file size, open files,
-    no core dumps; a wall-clock deadline (counted from the call, startup included) after which the
-    whole tree is killed and reaped -- also when the host's pid 1 never reaps orphans;
-  * namespaces (mount, network, pid, ipc, uts): no network but an empty loopback, the whole filesystem
-    read-only except a size-limited tmpfs working directory, its own /proc, a /dev with only null, zero,
-    full, random and urandom (no GPUs), and every process it started dies with it (pid namespace) --
-    also children that called setsid or double-forked; a private /root-style directory holding the
-    interpreter is replaced by a tmpfs that shows only the interpreter's prefix;
+  * one memory budget for the whole call (`memory_mb`), enforced by the kernel: a memory cgroup of its
+    own (v2, or v1; see `_cgroup.py`) counts every process of the call and the memory they hold outside
+    themselves -- memfd files, shared memory, the tmpfs files they wrote. Over budget the OOM killer
+    stops a process of the call, and the cgroup's kill counter (not stderr text) sets
+    `limit_hit == "memory"`; `memory_peak_mb` is the cgroup's peak;
+  * rlimits: CPU seconds, processes, file size, open files, no core dumps; a wall-clock deadline
+    (counted from the call, startup included) after which the whole tree is killed and reaped -- also
+    when the host's pid 1 never reaps orphans;
+  * namespaces (mount, network, pid, ipc, uts, cgroup): no network but an empty loopback; a root
+    filesystem of its own, built on a tmpfs and pivoted into, holding only the interpreter's prefix and
+    the system's programs and libraries (/usr, /bin, /lib, ...) read-only, a /dev with only null, zero,
+    full, random and urandom (no GPUs), its own /proc, and a size-limited tmpfs working directory, the
+    only writable place. The host's home directories, /tmp, /run, /var and their unix sockets are not
+    there to reach; abstract unix sockets belong to the (empty) network namespace. Every process it
+    started dies with it (pid namespace) -- also children that called setsid or double-forked;
   * as root, a uid of its own per call (`_UID_BASE + pid * 256 + slot`), so RLIMIT_NPROC binds (it does
     not for root), concurrent calls never share a process budget, and leftovers can be swept by uid
     (trainers in different pid namespaces of one kernel could, rarely, draw the same uid).
@@ -18,12 +25,16 @@ Each call gets a fresh temporary directory and a child process tree (see `_launc
     user site); no file descriptors but stdin (/dev/null), stdout and stderr are inherited;
   * stdout and stderr each capped at `max_output_bytes`; past that the run is stopped (limit "output").
 
-When namespaces are unavailable (e.g. a container without CAP_SYS_ADMIN) the call still runs, weaker,
-and says so in `ToolResult.notes`: sockets are then blocked by an audit hook only (ctypes can bypass
-it), the code may write to world-writable directories such as /tmp, and as a non-root user without
-namespaces neither the process count nor setsid'd children can be contained. Pass
-`require_isolation=True` to get an error result instead. `memory_mb` bounds each process, so a process
-tree may use up to `memory_mb * max_processes`; cgroups would bound the total but are not used here.
+Where a mechanism is missing the call still runs, weaker, and says so in `ToolResult.notes`:
+  * no memory cgroup it may create (an unprivileged user without a delegated cgroup, a container with a
+    read-only /sys/fs/cgroup; set `OTBRL_SANDBOX_CGROUP` to a delegated one): `memory_mb` then bounds
+    each process's address space (RLIMIT_AS), so memfds and several processes can hold more, and a
+    MemoryError in stderr is what reports the limit;
+  * no namespaces (e.g. a container without CAP_SYS_ADMIN or user namespaces): the code runs on the
+    host's filesystem (it may read what any user may read and write to world-writable directories such
+    as /tmp), socket() is refused by a seccomp filter (no network, no host unix sockets), and as a
+    non-root user neither the process count nor setsid'd children can be contained.
+Pass `require_isolation=True` to get an error result instead of either fallback.
 
 `run_python` never raises: a failure of the sandbox itself comes back as `ToolResult.error`.
 """
@@ -136,6 +147,7 @@ def run_python(
 ) -> ToolResult:
     """Run `code` as a script in a fresh sandbox (see the module docstring) and return what happened.
 
+    `memory_mb` is the budget of the whole call (of each process where no memory cgroup is available);
     `cpu_s` defaults to `ceil(timeout_s)`; `max_processes` counts every process and thread of the run;
     `max_file_mb` bounds each file and (x4) the working directory. Thread-safe; never raises.
     """
