@@ -360,3 +360,21 @@ def test_explicit_parent_must_be_a_memory_cgroup(tmp_path, monkeypatch):
 def test_sigkill_exit_code_unchanged_for_plain_kills():
     result = _run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
     assert result.exit_code == -signal.SIGKILL and result.limit_hit is None
+
+
+def test_extra_read_only_paths_are_shown_read_only(host_dir, monkeypatch):
+    with open(os.path.join(host_dir, "lib.txt"), "w") as f:
+        f.write("shared library")
+    monkeypatch.setattr(sandbox, "READ_ONLY_PATHS", (host_dir,))
+    code = f"""
+        print(open({host_dir!r} + "/lib.txt").read())
+        try:
+            open({host_dir!r} + "/planted", "w")
+        except OSError as e:
+            print("refused", type(e).__name__)
+    """
+    result = _run(code)
+    if not _isolated(result):
+        pytest.skip("no mount namespace")
+    assert result.stdout.splitlines() == ["shared library", "refused OSError"], result.to_text()
+    assert os.listdir(host_dir) == ["lib.txt"]

@@ -62,6 +62,8 @@ SYSTEM_PATHS = (
     "/etc/ld.so.conf",
     "/etc/ld.so.conf.d",
     "/etc/localtime",
+    "/nix/store",  # Nix and Guix interpreters link against libraries in their stores
+    "/gnu/store",
 )
 
 # Used when namespaces are unavailable. An audit hook only stops Python-level sockets (ctypes can
@@ -122,9 +124,10 @@ def _unshare(root: bool) -> None:
 
 def _bind_into(root: str, path: str) -> None:
     """Show host `path` at the same place under `root`, as a symlink if it is one (merged /usr)."""
+    path = os.path.normpath(path)
     target = root + path
-    if not os.path.lexists(path) or os.path.lexists(target):
-        return
+    if path == "/" or not os.path.lexists(path) or os.path.lexists(target):
+        return  # never the whole host; a path already shown (or under one) stays as it is
     os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
     if os.path.islink(path):
         os.symlink(os.readlink(path), target)
@@ -165,10 +168,11 @@ def _build_root(cfg: dict) -> str:
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = cfg["stage"]
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
-    prefix = cfg["prefix"]
-    for path in SYSTEM_PATHS:
+    shown = [*SYSTEM_PATHS, *cfg["extra_paths"]]
+    for path in shown:
         _bind_into(root, path)
-    if not any(prefix == p or prefix.startswith(p + "/") for p in SYSTEM_PATHS):
+    prefix = cfg["prefix"]
+    if prefix != "/" and not any(prefix == p or prefix.startswith(p + "/") for p in shown):
         _bind_into(root, prefix)
     _minimal_dev(root)
     os.mkdir(root + "/proc", 0o555)

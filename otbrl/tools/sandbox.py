@@ -68,6 +68,9 @@ _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.
 # The interpreter for sandboxed code (and the launcher); None: the base interpreter of this one (a
 # venv's packages are not available inside, only the standard library and the base site-packages).
 PYTHON: str | None = None
+# Host paths a call may read besides the interpreter's prefix and the system's (/usr, /lib, ...): an
+# interpreter whose shared libraries live elsewhere (e.g. Homebrew's) needs their directory here.
+READ_ONLY_PATHS: tuple[str, ...] = ()
 _NAMESPACES = True  # tests switch this off to exercise the namespace-less fallback
 _STDERR_HINTS = (  # best effort, where no kernel counter says it: how Python reports a limit it hit
     ("MemoryError", "memory"),  # RLIMIT_AS, used only without a memory cgroup
@@ -225,6 +228,8 @@ def _run(
             "workdir": workdir,
             "stage": os.path.join(base, "stage"),
             "cgroup_procs": memcg.procs_file if memcg else None,
+            # not an ancestor of the call's directory: the launcher builds the new root's copy of it
+            "extra_paths": [p for p in map(os.path.realpath, READ_ONLY_PATHS) if not _contains(p, base)],
             "namespaces": _NAMESPACES,
             "env": {**_ENV, "HOME": workdir, "TMPDIR": workdir},
             "cpu_s": cpu_s,
@@ -259,10 +264,17 @@ def _run(
         if base is not None:
             _remove(base)
         if memcg is not None:
-            usage = memcg.usage()  # after the kill: the peak and the OOM count are final
+            try:
+                usage = memcg.usage()  # after the kill: the peak and the OOM count are final
+            except (OSError, ValueError) as e:
+                notes.append(f"could not read the memory cgroup's counters ({e})")
             if not memcg.remove():
                 notes.append(f"could not remove the cgroup {memcg.path}")
     return _result(out, err, status, killed_for, cap, time.monotonic() - start, timeout_s, notes, usage)
+
+
+def _contains(ancestor: str, path: str) -> bool:
+    return (path.rstrip("/") + "/").startswith(ancestor.rstrip("/") + "/")
 
 
 def _collect(proc: subprocess.Popen, status_r: int, deadline: float, cap: int):
