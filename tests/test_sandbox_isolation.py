@@ -378,3 +378,8 @@ def test_extra_read_only_paths_are_shown_read_only(host_dir, monkeypatch):
         pytest.skip("no mount namespace")
     assert result.stdout.splitlines() == ["shared library", "refused OSError"], result.to_text()
     assert os.listdir(host_dir) == ["lib.txt"]
+
+
+def test_the_models_processes_are_the_oom_killers_first_choice():
+    result = _run("print(open('/proc/self/oom_score_adj').read().strip())")
+    assert result.stdout == "1000\n", result.to_text()  # not the launcher or init, which report the kill

@@ -67,7 +67,7 @@ SYSTEM_PATHS = (
 )
 
 # Used when namespaces are unavailable. An audit hook only stops Python-level sockets (ctypes can
-# still reach libc), which is why the sandbox reports this mode as a note.
+# still reach libc); it gives the clear message, the seccomp filter (`_deny_sockets`) the guarantee.
 AUDIT_BOOTSTRAP = """
 import runpy, sys
 def _no_network(event, args):
@@ -263,6 +263,10 @@ RLIMIT_NOTE = (
 
 def _exec_user(cfg: dict, isolated: bool, memcg: bool, say) -> None:
     uid = cfg["uid"]
+    try:  # over the budget the OOM killer takes the model's processes first, not init or the launcher
+        _write("/proc/self/oom_score_adj", "1000")  # before setuid, which makes /proc/self root's
+    except OSError:
+        pass
     if uid is not None:  # root: a fresh uid of its own, so RLIMIT_NPROC binds and DAC protects files
         os.setgroups([])
         os.setgid(uid)
@@ -286,10 +290,6 @@ def _exec_user(cfg: dict, isolated: bool, memcg: bool, say) -> None:
         limits.append((resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"])))
     if not memcg:  # the cgroup's budget is the limit where there is one; an address-space cap is a
         limits.append((resource.RLIMIT_AS, (mem, mem)))  # poor per-process stand-in (virtual, not RSS)
-    try:  # over the budget the OOM killer takes the model's processes first, not init or the launcher
-        _write("/proc/self/oom_score_adj", "1000")
-    except OSError:
-        pass
     for res, value in limits:
         resource.setrlimit(res, value)
     os.chdir(cfg["workdir"])
