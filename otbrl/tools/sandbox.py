@@ -1,14 +1,21 @@
 """Run model-written Python in a throwaway, resource-limited process: `run_python(code) -> ToolResult`.
 
 Each call gets a fresh temporary directory and a child process tree (see `_launcher.py`) with:
-  * rlimits: CPU seconds, address space (`memory_mb`, per process), processes, file size, open files,
-    no core dumps; a wall-clock deadline (counted from the call, startup included) after which the
-    whole tree is killed and reaped -- also when the host's pid 1 never reaps orphans;
-  * namespaces (mount, network, pid, ipc, uts): no network but an empty loopback, the whole filesystem
-    read-only except a size-limited tmpfs working directory, its own /proc, a /dev with only null, zero,
-    full, random and urandom (no GPUs), and every process it started dies with it (pid namespace) --
-    also children that called setsid or double-forked; a private /root-style directory holding the
-    interpreter is replaced by a tmpfs that shows only the interpreter's prefix;
+  * one memory budget for the whole call (`memory_mb`), enforced by the kernel: a memory cgroup of its
+    own (v2, or v1; see `_cgroup.py`) counts every process of the call and the memory they hold outside
+    themselves -- memfd files, shared memory, the tmpfs files they wrote. Over budget the OOM killer
+    stops a process of the call, and the cgroup's kill counter (not stderr text) sets
+    `limit_hit == "memory"`; `memory_peak_mb` is the cgroup's peak;
+  * rlimits: CPU seconds, processes, file size, open files, no core dumps; a wall-clock deadline
+    (counted from the call, startup included) after which the whole tree is killed and reaped -- also
+    when the host's pid 1 never reaps orphans;
+  * namespaces (mount, network, pid, ipc, uts, cgroup): no network but an empty loopback; a root
+    filesystem of its own, built on a tmpfs and pivoted into, holding only the interpreter's prefix and
+    the system's programs and libraries (/usr, /bin, /lib, ...) read-only, a /dev with only null, zero,
+    full, random and urandom (no GPUs), its own /proc, and a size-limited tmpfs working directory, the
+    only writable place. The host's home directories, /tmp, /run, /var and their unix sockets are not
+    there to reach; abstract unix sockets belong to the (empty) network namespace. Every process it
+    started dies with it (pid namespace) -- also children that called setsid or double-forked;
   * as root, a uid of its own per call (`_UID_BASE + pid * 256 + slot`), so RLIMIT_NPROC binds (it does
     not for root), concurrent calls never share a process budget, and leftovers can be swept by uid
     (trainers in different pid namespaces of one kernel could, rarely, draw the same uid).
@@ -18,12 +25,16 @@ Each call gets a fresh temporary directory and a child process tree (see `_launc
     user site); no file descriptors but stdin (/dev/null), stdout and stderr are inherited;
   * stdout and stderr each capped at `max_output_bytes`; past that the run is stopped (limit "output").
 
-When namespaces are unavailable (e.g. a container without CAP_SYS_ADMIN) the call still runs, weaker,
-and says so in `ToolResult.notes`: sockets are then blocked by an audit hook only (ctypes can bypass
-it), the code may write to world-writable directories such as /tmp, and as a non-root user without
-namespaces neither the process count nor setsid'd children can be contained. Pass
-`require_isolation=True` to get an error result instead. `memory_mb` bounds each process, so a process
-tree may use up to `memory_mb * max_processes`; cgroups would bound the total but are not used here.
+Where a mechanism is missing the call still runs, weaker, and says so in `ToolResult.notes`:
+  * no memory cgroup it may create (an unprivileged user without a delegated cgroup, a container with a
+    read-only /sys/fs/cgroup; set `OTBRL_SANDBOX_CGROUP` to a delegated one): `memory_mb` then bounds
+    each process's address space (RLIMIT_AS), so memfds and several processes can hold more, and a
+    MemoryError in stderr is what reports the limit;
+  * no namespaces (e.g. a container without CAP_SYS_ADMIN or user namespaces): the code runs on the
+    host's filesystem (it may read what any user may read and write to world-writable directories such
+    as /tmp), socket() is refused by a seccomp filter (no network, no host unix sockets), and as a
+    non-root user neither the process count nor setsid'd children can be contained.
+Pass `require_isolation=True` to get an error result instead of either fallback.
 
 `run_python` never raises: a failure of the sandbox itself comes back as `ToolResult.error`.
 """
@@ -45,7 +56,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from otbrl.tools._launcher import processes_of_uid
+from otbrl.tools import _cgroup
+from otbrl.tools._launcher import RLIMIT_NOTE, processes_of_uid
 
 __all__ = ["ToolResult", "processes_of_uid", "run_python"]
 
@@ -56,9 +68,12 @@ _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.
 # The interpreter for sandboxed code (and the launcher); None: the base interpreter of this one (a
 # venv's packages are not available inside, only the standard library and the base site-packages).
 PYTHON: str | None = None
+# Host paths a call may read besides the interpreter's prefix and the system's (/usr, /lib, ...): an
+# interpreter whose shared libraries live elsewhere (e.g. Homebrew's) needs their directory here.
+READ_ONLY_PATHS: tuple[str, ...] = ()
 _NAMESPACES = True  # tests switch this off to exercise the namespace-less fallback
-_STDERR_HINTS = (  # best effort: how a Python process reports the limit it ran into
-    ("MemoryError", "memory"),
+_STDERR_HINTS = (  # best effort, where no kernel counter says it: how Python reports a limit it hit
+    ("MemoryError", "memory"),  # RLIMIT_AS, used only without a memory cgroup
     ("Resource temporarily unavailable", "processes"),
     ("File too large", "file_size"),
     ("Too many open files", "open_files"),
@@ -72,7 +87,9 @@ class ToolResult:
     `exit_code` is the process's exit status, negative for a signal (like `subprocess`), None when the
     process was killed by the sandbox (timeout, output limit) or never started. `limit_hit` names the
     limit that ended or hampered the run: None, "timeout", "cpu", "memory", "output", "processes",
-    "file_size" or "open_files". `error` is set only when the sandbox itself failed.
+    "file_size" or "open_files". `error` is set only when the sandbox itself failed. `memory_peak_mb`
+    is the most memory the call held at once, all of its processes, memfds, shared memory and tmpfs
+    files together, as its memory cgroup counted it (None without one).
     """
 
     stdout: str
@@ -85,6 +102,7 @@ class ToolResult:
     notes: tuple[str, ...] = ()
     max_output_bytes: int = 4096
     timeout_s: float = 0.0
+    memory_peak_mb: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -132,6 +150,7 @@ def run_python(
 ) -> ToolResult:
     """Run `code` as a script in a fresh sandbox (see the module docstring) and return what happened.
 
+    `memory_mb` is the budget of the whole call (of each process where no memory cgroup is available);
     `cpu_s` defaults to `ceil(timeout_s)`; `max_processes` counts every process and thread of the run;
     `max_file_mb` bounds each file and (x4) the working directory. Thread-safe; never raises.
     """
@@ -180,10 +199,14 @@ def _run(
     max_open_files: int,
     require_isolation: bool,
 ) -> ToolResult:
-    base = tempfile.mkdtemp(prefix=f"otbrl-sandbox-{os.getpid()}-")  # pid: leak checks per trainer
-    proc = None
+    memcg, no_memcg = _cgroup.create(memory_mb << 20)
+    if memcg is None and require_isolation:
+        raise RuntimeError(f"no memory cgroup for a per-call budget: {no_memcg}")
+    notes = [] if memcg else [f"no memory cgroup ({no_memcg}): {RLIMIT_NOTE}"]
+    base = proc = usage = None
     status_r = -1
     try:
+        base = tempfile.mkdtemp(prefix=f"otbrl-sandbox-{os.getpid()}-")  # pid: leak checks per trainer
         os.chmod(base, 0o711)  # the sandbox uid may reach main.py and work/, not list the directory
         script = os.path.join(base, "main.py")
         with open(script, "w", encoding="utf-8") as f:
@@ -191,8 +214,7 @@ def _run(
         os.chmod(script, 0o644)
         workdir = os.path.join(base, "work")
         os.mkdir(workdir, 0o700)
-        for stage in ("stage", "devstage"):  # empty mount points for the launcher's staging
-            os.mkdir(os.path.join(base, stage), 0o700)
+        os.mkdir(os.path.join(base, "stage"), 0o700)  # mount point of the call's new root
         if uid is not None:
             os.chown(workdir, uid, uid)  # used as is only when namespaces (and its tmpfs) are unavailable
         python = os.path.realpath(PYTHON or getattr(sys, "_base_executable", None) or sys.executable)
@@ -205,7 +227,9 @@ def _run(
             "script": script,
             "workdir": workdir,
             "stage": os.path.join(base, "stage"),
-            "devstage": os.path.join(base, "devstage"),
+            "cgroup_procs": memcg.procs_file if memcg else None,
+            # not an ancestor of the call's directory: the launcher builds the new root's copy of it
+            "extra_paths": [p for p in map(os.path.realpath, READ_ONLY_PATHS) if not _contains(p, base)],
             "namespaces": _NAMESPACES,
             "env": {**_ENV, "HOME": workdir, "TMPDIR": workdir},
             "cpu_s": cpu_s,
@@ -234,11 +258,23 @@ def _run(
         out, err, status, killed_for = _collect(proc, status_r, start + timeout_s, cap)
     finally:
         if proc is not None:
-            _kill_tree(proc, uid)
+            _kill_tree(proc, uid, memcg)
         if status_r >= 0:
             os.close(status_r)
-        _remove(base)
-    return _result(out, err, status, killed_for, cap, time.monotonic() - start, timeout_s)
+        if base is not None:
+            _remove(base)
+        if memcg is not None:
+            try:
+                usage = memcg.usage()  # after the kill: the peak and the OOM count are final
+            except (OSError, ValueError) as e:
+                notes.append(f"could not read the memory cgroup's counters ({e})")
+            if not memcg.remove():
+                notes.append(f"could not remove the cgroup {memcg.path}")
+    return _result(out, err, status, killed_for, cap, time.monotonic() - start, timeout_s, notes, usage)
+
+
+def _contains(ancestor: str, path: str) -> bool:
+    return (path.rstrip("/") + "/").startswith(ancestor.rstrip("/") + "/")
 
 
 def _collect(proc: subprocess.Popen, status_r: int, deadline: float, cap: int):
@@ -293,13 +329,23 @@ def _read_ready(fd: int, buf: bytearray, cap: int) -> bool:
 
 
 def _result(
-    out: bytes, err: bytes, status: str, killed_for: str | None, cap: int, duration: float, timeout_s: float
+    out: bytes,
+    err: bytes,
+    status: str,
+    killed_for: str | None,
+    cap: int,
+    duration: float,
+    timeout_s: float,
+    notes: list[str],
+    usage: _cgroup.Usage | None,
 ) -> ToolResult:
-    notes, errors, exit_code = [], [], None
+    errors, exit_code, joined = [], None, False
     for line in status.splitlines():
         kind, _, text = line.partition(" ")
         if kind == "note":
             notes.append(text)
+        elif kind == "memcg":
+            joined = True
         elif kind == "error":
             errors.append(text)
         elif kind == "exit" and killed_for is None:
@@ -307,23 +353,31 @@ def _result(
     truncated = len(out) > cap or len(err) > cap
     stdout = out[:cap].decode("utf-8", "replace")
     stderr = err[:cap].decode("utf-8", "replace")
+    usage = usage if joined else None  # a cgroup the launcher never joined counted nothing of the call
     limit = killed_for
-    if limit is None and exit_code == -signal.SIGXCPU:
+    if usage and usage.oom_kills and killed_for != "output":
+        limit = "memory"  # the kernel killed for memory (before any timeout it may have caused)
+    elif limit is None and usage and exit_code and usage.limit_reached:
+        limit = "memory"  # the run failed after its memory reached the budget (an ENOMEM, say)
+    elif limit is None and exit_code == -signal.SIGXCPU:
         limit = "cpu"
     elif limit is None and exit_code:
-        limit = next((name for hint, name in _STDERR_HINTS if hint in stderr), None)
+        hints = _STDERR_HINTS if usage is None else _STDERR_HINTS[1:]  # no RLIMIT_AS: no MemoryError
+        limit = next((name for hint, name in hints if hint in stderr), None)
     error = None
     if errors or (killed_for is None and exit_code is None):
         error = "; ".join(errors) or f"sandbox launcher failed: {stderr.strip()[-500:] or 'no status'}"
+    peak = usage.peak_bytes / 2**20 if usage and usage.peak_bytes is not None else None
     return ToolResult(
-        stdout, stderr, exit_code, limit, duration, truncated, error, tuple(notes), cap, timeout_s
+        stdout, stderr, exit_code, limit, duration, truncated, error, tuple(notes), cap, timeout_s, peak
     )
 
 
-def _kill_tree(proc: subprocess.Popen, uid: int | None) -> None:
+def _kill_tree(proc: subprocess.Popen, uid: int | None, memcg: _cgroup.MemoryCgroup | None) -> None:
     """Stop the run and reap everything: SIGTERM asks the launcher to kill its init (a pid namespace dies
     with it; without namespaces the launcher kills what runs as the call's uid) and to reap it. SIGKILL
-    to the process group and a uid sweep here are only the backstop for a launcher that does not exit."""
+    to the process group, to what is left in the cgroup and a uid sweep here are only the backstop for a
+    launcher that does not exit."""
     try:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=3)
@@ -336,6 +390,8 @@ def _kill_tree(proc: subprocess.Popen, uid: int | None) -> None:
     finally:
         for stream in (proc.stdout, proc.stderr):
             stream.close()
+    if memcg is not None:
+        memcg.kill()
     if uid is not None:
         _kill_uid(uid)
 
