@@ -80,7 +80,8 @@ def _token_stats_kernel(
         m_new = tl.maximum(m, tl.max(z, axis=1))
         # -inf before the first finite logit, where s1, s2 and a are still 0; while every logit seen is
         # -inf, m_new is too and m - m_new would be NaN, so nothing is rescaled
-        shift = tl.where(m_new == ninf, 0.0, m - m_new)
+        ref = tl.where(m_new == ninf, 0.0, m_new)  # m_new, except 0 where it is -inf: never NaN below
+        shift = tl.where(m_new == ninf, 0.0, m - ref)
         c = tl.exp(shift)
         a = c * (a + tl.where(s1 > 0, shift, 0.0) * s1)
         s1 = c * s1
@@ -88,7 +89,7 @@ def _token_stats_kernel(
         # -inf logits (padding columns, masked entries) have probability 0 and leave the sums alone; they
         # are kept out so that e * zs never meets 0 * -inf. NaN stays in, to be reported.
         keep = (z != ninf) & (is_label == 0)
-        zs = tl.where(keep, z - m_new[:, None], 0.0)
+        zs = tl.where(keep, z - ref[:, None], 0.0)
         e = tl.where(keep, tl.exp(zs), 0.0)
         s1 += tl.sum(e, axis=1)
         s2 += tl.sum(e * e, axis=1)
@@ -101,7 +102,7 @@ def _token_stats_kernel(
     tl.store(logprob_ptr + rows, rel - log_total, mask=row_ok)
     tl.store(spsq_ptr + rows, (s2 + e_y * e_y) / (total * total), mask=row_ok)
     tl.store(energy_ptr + rows, (s1 * s1 + s2) / (total * total), mask=row_ok)
-    e_y_rel = tl.where(e_y > 0, e_y * rel, 0.0)  # 0 * -inf in rows that raise or are padding
+    e_y_rel = e_y * tl.where(e_y > 0, rel, 0.0)  # not 0 * -inf, in rows that raise or are padding
     tl.store(entropy_ptr + rows, log_total - (a + e_y_rel) / total, mask=row_ok)
 
 
