@@ -6,6 +6,10 @@ an online softmax. The torch path walks vocabulary tiles this way, the Triton ke
 (`otbrl.fused_triton`, CUDA) does the same in registers, and tensor-parallel vocabulary shards combine
 with `combine_partial_stats`. The sampled token is kept out of the running sums so that the energy is a
 sum of positive terms (never negative, accurate for confident tokens), as in `otbrl.token_energy`.
+
+Hidden states and head may differ in dtype (e.g. bf16 hidden states with TRL's float32 head): both
+paths form the logits in float32 (float64 if any input is float64), tile by tile. -inf logits (a masked
+vocabulary entry, a padded shard) get probability 0 (see `otbrl.stats`).
 """
 
 from __future__ import annotations
@@ -64,8 +68,9 @@ def fused_partial_stats(
 ) -> PartialStats:
     """Torch path: PartialStats of hidden (N, H) against weight (V, H), a vocabulary slice whose first
     id is `vocab_start` (0 unless the head is sharded). Logits are formed in the compute dtype (float32,
-    or float64 for float64 input) one tile at a time. `logprobs_only` skips s2 and a (for comparison)."""
-    dtype = compute_dtype(hidden)
+    or float64 if hidden, weight or bias is float64) one tile at a time, whatever mix of dtypes came in.
+    `logprobs_only` skips s2 and a (for comparison)."""
+    dtype = compute_dtype(hidden, weight, bias)
     n, vocab = hidden.shape[0], weight.shape[0]
     h = hidden.to(dtype)
     local_ids = tokens.to(device=hidden.device, dtype=torch.long) - vocab_start
@@ -101,12 +106,13 @@ def _logprob_tile_update(p: PartialStats, z: torch.Tensor, local: torch.Tensor) 
     col = local.clamp(0, width - 1)[:, None]
     label = torch.maximum(p.label, torch.where(inside, z.gather(1, col).squeeze(1), -math.inf))
     m = torch.maximum(p.max_logit, z.amax(dim=1))
-    s1 = p.s1 * torch.exp(p.max_logit - m) + torch.exp(z.sub_(m[:, None])).sum(dim=1)
+    ref = torch.where(m == -math.inf, 0.0, m)  # no finite logit yet: -inf - -inf would be NaN
+    s1 = p.s1 * torch.exp(p.max_logit - ref) + torch.exp(z.sub_(ref[:, None])).sum(dim=1)
     return PartialStats(m, s1, p.s2, p.a, label)
 
 
-def _triton_usable(hidden: torch.Tensor) -> bool:
-    if not hidden.is_cuda or hidden.dtype == torch.float64:  # float64 stays on the torch path
+def _triton_usable(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not hidden.is_cuda or torch.float64 in (hidden.dtype, weight.dtype):  # float64: torch path
         return False
     try:
         import triton  # noqa: F401
@@ -126,16 +132,19 @@ def fused_token_stats(
     """Per-token logprobs, sum pi^2, energy and entropy of softmax((hidden @ weight.T + bias) / T).
 
     hidden: (..., H) final hidden states at the positions that predict `tokens` (...); weight: (V, H)
-    output head; bias: (V,) or None. Any floating dtype; accumulation in float32 (float64 for float64
-    input). Never holds more than one tile of logits. backend: "auto" (Triton on CUDA when installed,
-    else torch), "torch" or "triton". Returns a `TokenStats` of (...) tensors; no autograd graph.
+    output head; bias: (V,) or None. Any floating dtypes, mixed or not (bf16 hidden with a float32 head
+    gives the logits of hidden.float() @ weight.T); accumulation in float32 (float64 if any input is
+    float64). -inf logits (masked entries) get probability 0. Never holds more than one tile of logits.
+    backend: "auto" (Triton on CUDA when installed, else torch), "torch" or "triton". Returns a
+    `TokenStats` of (...) tensors; no autograd graph. Raises ValueError for NaN/+inf logits, a row
+    whose logits are all -inf, or a sampled token whose logit is -inf (probability 0).
     """
     _check(hidden, weight, tokens, temperature, bias)
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     shape = tokens.shape
     h, y = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
-    if backend == "triton" or (backend == "auto" and _triton_usable(hidden)):
+    if backend == "triton" or (backend == "auto" and _triton_usable(hidden, weight)):
         from otbrl.fused_triton import triton_token_stats
 
         stats = triton_token_stats(h, weight, y, temperature, bias)

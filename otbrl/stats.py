@@ -1,6 +1,10 @@
 """Per-token statistics of a softmax over the vocabulary, and how partial statistics over disjoint
 vocabulary slices (tiles, tensor-parallel shards) combine like an online softmax. Shared by the torch
 path (`otbrl.fused`), the Triton kernel (`otbrl.fused_triton`) and the verl adapter.
+
+-inf logits (masked vocabulary entries, padded shards, a whole slice of them) have probability 0 and
+contribute nothing; a slice with no finite logit has max_logit -inf and s1 = s2 = a = 0. Only a row
+with no finite logit at all, NaN/+inf logits, or a sampled token at -inf (log-prob -inf) raise.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ def combine_partial_stats(x: PartialStats, y: PartialStats) -> PartialStats:
     m = torch.maximum(x.max_logit, y.max_logit)
 
     def rescale(p: PartialStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        shift = p.max_logit - m  # <= 0; -inf for a slice that has seen nothing yet
+        # <= 0; -inf for a slice with no finite logit yet; 0 where both are -inf (not -inf - -inf = NaN)
+        shift = torch.where(p.max_logit == m, 0.0, p.max_logit - m)
         c = torch.exp(shift)
         has = p.s1 > 0  # avoids -inf * 0 where a slice holds no mass
         a = torch.where(has, c * (p.a + torch.where(has, shift, 0.0) * p.s1), 0.0)
@@ -49,19 +54,40 @@ def combine_partial_stats(x: PartialStats, y: PartialStats) -> PartialStats:
 
 
 def finalize_partial_stats(p: PartialStats) -> TokenStats:
-    """TokenStats from the statistics over the whole vocabulary."""
-    if not torch.isfinite(p.label).all() or not torch.isfinite(p.max_logit).all():
-        raise ValueError("hidden: produce non-finite logits (or a token's logit was never seen)")
+    """TokenStats from the statistics over the whole vocabulary. Raises as `check_finalized`."""
     rel = p.label - p.max_logit
     e_y = torch.exp(rel)
     s1 = p.s1 + e_y
     log_s1 = torch.log(s1)
-    return TokenStats(
+    stats = TokenStats(
         logprobs=rel - log_s1,
         sum_pi_sq=(p.s2 + e_y * e_y) / (s1 * s1),
         energy=(p.s1 * p.s1 + p.s2) / (s1 * s1),
         entropy=log_s1 - (p.a + e_y * rel) / s1,
     )
+    check_finalized(stats.logprobs, stats.sum_pi_sq)
+    return stats
+
+
+def check_finalized(logprobs: torch.Tensor, sum_pi_sq: torch.Tensor) -> None:
+    """Raise ValueError unless every token's statistics are finite, naming the cause.
+
+    sum pi^2 is non-finite exactly when a row's logits hold NaN or +inf or are all -inf (its max is not
+    finite); with a finite max, sum pi^2 is finite and only the sampled token's logit being -inf (or the
+    token lying in no slice that was combined) leaves its log-prob non-finite. Such a token has
+    probability 0 and could not have been sampled from this policy; its log-prob -inf is of no use to a
+    loss, so it is reported rather than returned (`otbrl.token_energy` alone gives its limit
+    1 + sum pi^2).
+    """
+    if not torch.isfinite(sum_pi_sq).all():
+        raise ValueError(
+            "hidden: produce non-finite logits (NaN or +inf), or a row whose logits are all -inf"
+        )
+    if not torch.isfinite(logprobs).all():
+        raise ValueError(
+            "tokens: a sampled token has logit -inf (probability 0, so its log-prob is -inf), "
+            "or lies in no vocabulary slice that was combined"
+        )
 
 
 def tile_partial_stats(z: torch.Tensor, local: torch.Tensor) -> PartialStats:
@@ -72,9 +98,12 @@ def tile_partial_stats(z: torch.Tensor, local: torch.Tensor) -> PartialStats:
     col = local.clamp(0, width - 1)[:, None]
     m = z.amax(dim=1)
     label = torch.where(inside, z.gather(1, col).squeeze(1), -math.inf)
-    z.sub_(m[:, None])
+    # A row with no finite logit in the tile subtracts 0, so its logits stay -inf (e = 0), not NaN.
+    z.sub_(torch.where(m == -math.inf, 0.0, m)[:, None])
     e = torch.exp(z)
     e.scatter_(1, col, torch.where(inside[:, None], 0.0, e.gather(1, col)))  # keep y out of the sums
+    # -inf logits have e = 0; a finite stand-in turns their 0 * -inf in sum e * z into 0 (NaN stays NaN).
+    z.clamp_(min=torch.finfo(z.dtype).min)
     # Row-wise dot products read the tile without writing a product tile.
     return PartialStats(
         m, e.sum(dim=1), torch.einsum("nv,nv->n", e, e), torch.einsum("nv,nv->n", e, z), label
