@@ -24,6 +24,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PREFIX = "otbrl-sandbox-"  # + pid of the creating process + "-" + a counter
@@ -80,16 +81,7 @@ class MemoryCgroup:
                 self._write("cgroup.kill", "1")  # Linux >= 5.14: atomic, no pid-reuse race
             except OSError:
                 pass
-        for _ in range(500):
-            pids = self.pids()
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.002)
+        kill_until_gone(self.pids)
 
     def remove(self, timeout_s: float = 3.0) -> bool:
         """rmdir the cgroup (killing what is still in it); False if it is still there after `timeout_s`.
@@ -112,6 +104,21 @@ class MemoryCgroup:
 _counter = itertools.count()
 _lock = threading.Lock()
 _parent: tuple[str, int] | str | None = None  # (directory, version), or why there is none
+
+
+def kill_until_gone(find_pids: Callable[[], list[int]], attempts: int = 500) -> None:
+    """SIGKILL every pid `find_pids()` lists, again and again until it lists none: a fork bomb may fork
+    between one scan and the kill."""
+    for _ in range(attempts):
+        pids = find_pids()
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.002)
 
 
 def create(limit_bytes: int) -> tuple[MemoryCgroup | None, str]:

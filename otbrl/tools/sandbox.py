@@ -396,17 +396,8 @@ def _kill_tree(proc: subprocess.Popen, uid: int | None, memcg: _cgroup.MemoryCgr
         _kill_uid(uid)
 
 
-def _kill_uid(uid: int, attempts: int = 500) -> None:
-    for _ in range(attempts):  # repeat: a fork bomb may fork between the scan and the kill
-        pids = processes_of_uid(uid)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.002)
+def _kill_uid(uid: int) -> None:
+    _cgroup.kill_until_gone(lambda: processes_of_uid(uid))
 
 
 def _remove(base: str) -> None:
