@@ -2,7 +2,7 @@
 
 A small GRU over otbrl's character vocabulary learns, from scratch, to repeat a letter n times
 ("k3:" -> "kkk"), scored with partial credit (the fraction of characters right, position by position).
-torch and otbrl only; about a minute on one CPU thread:
+torch and otbrl only; well under a minute on one CPU thread:
 
     python examples/minimal_loop.py --steps 300 --group-size 8 --estimator otb --seed 0
 """
@@ -80,7 +80,7 @@ def decode(tokens: torch.Tensor) -> list[str]:
 @torch.no_grad()
 def sample(
     policy: Policy, prompt_ids: torch.Tensor, max_tokens: int, temperature: float, gen: torch.Generator
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns tokens (B, T); mask (B, T), True up to and including <eos> (what the policy chose); and the
     logits (B, T, V) each token was sampled from."""
     logits, state = policy(prompt_ids)
@@ -89,7 +89,9 @@ def sample(
     for _ in range(max_tokens):
         z = logits[:, -1]
         y = torch.multinomial(torch.softmax(z / temperature, -1), 1, generator=gen).squeeze(-1)
-        tokens.append(y), mask.append(alive.clone()), seen.append(z)
+        tokens.append(y)
+        mask.append(alive.clone())
+        seen.append(z)
         alive &= y != VOCAB[EOS]
         logits, state = policy(y[:, None], state)
     return torch.stack(tokens, 1), torch.stack(mask, 1), torch.stack(seen, 1)
