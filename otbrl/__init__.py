@@ -11,6 +11,7 @@ studies live in `otbrl.app`.
 from otbrl.energy import realized_energy, sum_pi_squared, token_energy, token_energy_from_logprobs
 from otbrl.estimators import ESTIMATORS, AdvantageResult, compute_advantages, register_estimator
 from otbrl.fused import fused_token_stats
+from otbrl.losses import PolicyLoss, policy_gradient_loss, policy_gradient_loss_with_stats
 from otbrl.stats import TokenStats
 
 from otbrl import exact, stability  # isort: skip  (exact registers the "otb_exact" estimator)
@@ -20,11 +21,14 @@ diagnostics = stability  # the name of round 1 (SurgeDetector, batch_diagnostics
 __all__ = [
     "ESTIMATORS",
     "AdvantageResult",
+    "PolicyLoss",
     "TokenStats",
     "compute_advantages",
     "diagnostics",
     "exact",
     "fused_token_stats",
+    "policy_gradient_loss",
+    "policy_gradient_loss_with_stats",
     "realized_energy",
     "register_estimator",
     "stability",
