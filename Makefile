@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check otbrl tests benchmarks
+	$(PY) -m ruff check otbrl tests benchmarks examples
 
 test: $(STAMP) lint
 	$(PY) -m pytest tests
