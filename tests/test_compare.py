@@ -12,26 +12,17 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("otbrl.integrations.trl")
 
-from otbrl.app.studies.compare import (  # noqa: E402
-    Experiment,
-    Run,
-    analyse,
-    centred_average,
-    collapse_step,
-    compare,
-    events,
-    experiment_names,
-    load_experiment,
-    plan,
-    table,
-)
+from otbrl.app.studies.compare import compare, events, table  # noqa: E402
+from otbrl.app.studies.experiment import Experiment, experiment_names, load_experiment, plan  # noqa: E402
+from otbrl.app.studies.outcomes import analyse, collapse_step  # noqa: E402
+from otbrl.app.studies.runs import Run, moving_average  # noqa: E402
 
 
 def test_centred_average_has_no_lag() -> None:
-    assert centred_average([0, 0, 0, 1, 1, 1], 3) == [0, 0, 1 / 3, 2 / 3, 1, 1]
-    assert centred_average([1.0, 2.0], 1) == [1.0, 2.0]
+    assert moving_average([0, 0, 0, 1, 1, 1], 3) == [0, 0, 1 / 3, 2 / 3, 1, 1]
+    assert moving_average([1.0, 2.0], 1) == [1.0, 2.0]
     step = [0.0] * 10 + [1.0] * 10
-    smooth = centred_average(step, 5)
+    smooth = moving_average(step, 5)
     assert smooth.index(next(v for v in smooth if v >= 0.5)) == 10  # crosses 0.5 where the step is
 
 
