@@ -94,6 +94,35 @@ def test_gram_statistics_match_direct_formulas():
     assert ratio == pytest.approx(4.0) and ratio_se == pytest.approx(0.0, abs=1e-9)
 
 
+def test_moments_of_vectors_match_plain_loops():
+    g = torch.randn(7, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64) + 1.5
+    ref = torch.randn(5, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.3
+    k, d = g.shape
+    mean = [sum(g[i, j].item() for i in range(k)) / k for j in range(d)]
+    var = sum((g[i, j].item() - mean[j]) ** 2 for i in range(k) for j in range(d)) / (k - 1)
+    mean_sq = sum(m * m for m in mean)
+    ref_sq = sum(r * r for r in ref.tolist())
+    mse = sum((g[i, j].item() - ref[j].item()) ** 2 for i in range(k) for j in range(d)) / k / ref_sq
+    cos = sum(m * r for m, r in zip(mean, ref.tolist(), strict=True)) / math.sqrt(mean_sq * ref_sq)
+    m = gs.Moments.of_vectors(g, ref)
+    assert m.trace_cov == pytest.approx(var) and m.mean_sq == pytest.approx(mean_sq)
+    assert m.rel_mse == pytest.approx(mse) and m.cosine == pytest.approx(cos)
+    assert m.nsr(debiased=False) == pytest.approx(var / mean_sq)
+    assert m.nsr() == pytest.approx(var / (mean_sq - var / k))
+    gram = gs.Moments.of_gram(g @ g.T, list(range(k)), g @ ref, ref_sq)
+    for name in ("trace_cov", "rel_mse", "cosine"):
+        assert getattr(gram, name) == pytest.approx(getattr(m, name))
+    noise = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.0, -1.0]], dtype=torch.float64)
+    assert gs.Moments.of_vectors(noise).nsr() == math.inf  # no signal at all
+    # bias z-scores: (mean projection - truth projection) / its standard error, per direction
+    dirs = torch.eye(5, dtype=torch.float64)[:2]
+    z = gs.bias_z(g, ref, dirs)
+    for j in range(2):
+        col = [g[i, j].item() for i in range(k)]
+        sd = math.sqrt(sum((c - mean[j]) ** 2 for c in col) / (k - 1) / k)
+        assert z[j].item() == pytest.approx((mean[j] - ref[j].item()) / sd)
+
+
 def test_correlations_and_matching_group_size():
     exact = torch.rand(4, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 0.1
     mask = torch.ones(4, 5)
