@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
-from otbrl.app.studies.claims import efficiency_claim, stability_claim, variance_claim, write_claims
+import pytest
+
+from otbrl.app.studies.claims import variance_claim, write_claims
+from otbrl.app.studies.training_claims import efficiency_claim, lr_decay_question, stability_claim
 
 
 def _arm(final, reached, seeds=3, saving=None, collapses=(None, None, None), surges=0, tokens=1000.0):  # noqa: ANN001, ANN202
@@ -69,3 +72,44 @@ def test_no_target_when_the_reference_did_not_improve() -> None:
     res = {"target": None, "note": "grpo-N32 did not improve", "arms": {"otb-N4": _arm([0.2] * 3, 0)}}
     row = efficiency_claim(res, "efficiency48", "long")
     assert "**not measurable**" in row[2] and "grpo-N32 did not improve" in row[1]
+
+
+def _experiment(tmp_path, roles: str) -> str:
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        "recipe: demo\nseeds: [0, 1, 2]\nreference: big\n"
+        "arms: {big: {}, small: {}, mean4: {}, small-len: {}}\n" + roles
+    )
+    return str(path)
+
+
+def test_claims_follow_the_roles_in_the_experiment_yaml(tmp_path) -> None:
+    spec = _experiment(tmp_path, "roles: {candidate: small, same_n_baseline: mean4}\n")
+    arms = {"big": _arm([0.9] * 3, 3, saving=0.0), "small": _arm([0.85] * 3, 3, saving=0.7),
+            "mean4": _arm([0.6] * 3, 0)}  # fmt: skip
+    measured, verdict = efficiency_claim({"target": 0.8, "arms": arms}, spec)[1:3]
+    assert "**held**" in verdict and "small reaches the target" in verdict and "than big" in verdict
+    assert "70% fewer than big" in measured and "final 0.850 vs 0.600" in measured
+    assert "otb-N4" not in measured + verdict and "grpo-N32" not in measured + verdict
+
+
+def test_a_missing_role_is_a_clear_error(tmp_path) -> None:
+    spec = _experiment(tmp_path, "roles: {candidate: small}\n")
+    res = {"target": 0.8, "arms": {"small": _arm([0.85] * 3, 3, saving=0.7)}}
+    with pytest.raises(ValueError, match="no arm has the role 'same_n_baseline'.*roles:"):
+        efficiency_claim(res, spec)
+    with pytest.raises(ValueError, match="no arm has the role 'group_mean'"):
+        stability_claim({"arms": {}}, spec)
+    spec = _experiment(tmp_path, "roles: {lr_decay: {small: {linear: small-len}}}\n")
+    with pytest.raises(ValueError, match="lr_decay: small needs a `length` variant"):
+        lr_decay_question({"arms": {}}, spec)
+
+
+def test_lr_decay_question_reads_its_variants_from_the_roles(tmp_path) -> None:
+    spec = _experiment(tmp_path, "roles: {lr_decay: {small: {length: small-len}}}\n")
+    fired = _arm([0.5] * 3, 0, collapses=(None, None, None))
+    fired["decays"] = [[4], [], [6]]
+    res = {"arms": {"small": _arm([0.3] * 3, 0, collapses=(5, 6, None)), "small-len": fired}}
+    measured, verdict = lr_decay_question(res, spec)[1:3]
+    assert "small-len: collapsed 0/3, final 0.500 ± 0.000, 2 LR-decay triggers" in measured
+    assert verdict.startswith("**held**")

@@ -12,27 +12,60 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("otbrl.integrations.trl")
 
-from otbrl.app.studies.compare import (  # noqa: E402
-    Experiment,
+from otbrl.app.studies.compare import compare, events, table  # noqa: E402
+from otbrl.app.studies.experiment import Experiment, experiment_names, load_experiment, plan  # noqa: E402
+from otbrl.app.studies.outcomes import analyse, collapse_step  # noqa: E402
+from otbrl.app.studies.report import markdown_table  # noqa: E402
+from otbrl.app.studies.runs import (  # noqa: E402
     Run,
-    analyse,
-    centred_average,
-    collapse_step,
-    compare,
-    events,
-    experiment_names,
-    load_experiment,
-    plan,
-    table,
+    append_metrics,
+    moving_average,
+    read_metrics,
+    write_metrics,
 )
 
 
 def test_centred_average_has_no_lag() -> None:
-    assert centred_average([0, 0, 0, 1, 1, 1], 3) == [0, 0, 1 / 3, 2 / 3, 1, 1]
-    assert centred_average([1.0, 2.0], 1) == [1.0, 2.0]
+    assert moving_average([0, 0, 0, 1, 1, 1], 3) == [0, 0, 1 / 3, 2 / 3, 1, 1]
+    assert moving_average([1.0, 2.0], 1) == [1.0, 2.0]
     step = [0.0] * 10 + [1.0] * 10
-    smooth = centred_average(step, 5)
+    smooth = moving_average(step, 5)
     assert smooth.index(next(v for v in smooth if v >= 0.5)) == 10  # crosses 0.5 where the step is
+
+
+def test_trailing_moving_average_against_a_plain_loop() -> None:
+    values = [0.3, 1.0, -2.0, 4.5, 0.0, 7.25, 1.0]
+    for window in (1, 2, 3, 10):
+        want = []
+        for i in range(len(values)):
+            total, count = 0.0, 0
+            for j in range(i - window + 1, i + 1):
+                if j >= 0:
+                    total, count = total + values[j], count + 1
+            want.append(total / count)
+        assert moving_average(values, window, centred=False) == pytest.approx(want)
+    assert moving_average([], 3) == []
+    with pytest.raises(ValueError, match="window"):
+        moving_average(values, 0)
+
+
+def test_metrics_round_trip(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    write_metrics(path, [{"step": 1, "loss": 0.5}])
+    second = {"step": 2, "reward": 0.25, "generated_tokens": 40.0}
+    append_metrics(path, second)
+    path.write_text(path.read_text() + "\n  \n")  # blank lines (an interrupted write) are skipped
+    assert read_metrics(path) == [{"step": 1, "loss": 0.5}, second]
+    assert read_metrics(path, "reward") == [second]
+
+
+def test_markdown_table_compact_and_aligned() -> None:
+    assert markdown_table(["a", "bb"], [[1, "x"], ["long", 2]], aligned=False).splitlines() == [
+        "| a | bb |", "|---|---|", "| 1 | x |", "| long | 2 |",
+    ]  # fmt: skip
+    assert markdown_table(["a", "bb"], [[1, "x"]]).splitlines() == ["| a | bb |", "|--:|---:|", "| 1 |  x |"]
+    with pytest.raises(ValueError, match="rows"):
+        markdown_table(["a", "b"], [[1]])
 
 
 def test_collapse_step() -> None:
@@ -94,9 +127,26 @@ def test_experiment_errors(tmp_path) -> None:
     bad.write_text("recipe: demo\nseeds: [0]\narms: {a: {}}\nreference: b\n")
     with pytest.raises(ValueError, match="reference 'b' is not an arm"):
         load_experiment(str(bad))
+    for roles, message in (
+        ("{candidate: b}", "role 'candidate' names 'b', which is not an arm"),
+        ("{lr_decay: {a: {length: [a, c]}}}", "role 'lr_decay' names 'c'"),
+        ("{reference: a}", "top-level `reference`"),
+        ("[a]", "roles must map role names to arms"),
+    ):
+        bad.write_text(f"recipe: demo\nseeds: [0]\narms: {{a: {{}}}}\nroles: {roles}\n")
+        with pytest.raises(ValueError, match=message):
+            load_experiment(str(bad))
     bad.write_text("recipe: demo\nseeds: [0]\narms: {a: {learning_rat: 1}}\n")
     with pytest.raises(ValueError, match="learning_rat: not a recipe key"):
         plan(load_experiment(str(bad)), tmp_path)
+
+
+@pytest.mark.parametrize("name", experiment_names())
+def test_packaged_roles_name_arms(name) -> None:
+    exp = load_experiment(name)
+    assert exp.roles and exp.role("candidate") in exp.arms
+    quick = load_experiment(name, quick=True)  # a quick run drops arms; the roles stay as written
+    assert quick.roles == exp.roles
 
 
 def test_plan_keeps_the_prompt_budget(tmp_path) -> None:

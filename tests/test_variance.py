@@ -1,6 +1,6 @@
-"""otbrl.app.studies.variance: batch gradients and exact norms against per-token float64 autograd on
-left-padded rollouts, the Gram-matrix statistics against direct formulas, and `otbrl variance --quick`
-end to end."""
+"""otbrl variance and its parts (gradients, gradstats, variance_report): batch gradients and exact norms
+against per-token float64 autograd on left-padded rollouts, the Gram-matrix statistics against direct
+formulas, and `otbrl variance --quick` end to end."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import torch
 
 import otbrl
 from otbrl.app.cli import main
+from otbrl.app.studies import gradients as gr
+from otbrl.app.studies import gradstats as gs
 from otbrl.app.studies import variance as v
+from otbrl.app.studies.variance_report import matching_group_size
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +25,12 @@ def setup():
     model = tiny_model("tiny", seed=0).double()  # random weights: varied completion lengths
     task = get_task("reverse")  # prompts of 6-10 letters: rows get different left padding
     rows = dataset(task, 3, seed=0)
-    r = v.draw(model, char_tokenizer(), task, rows, 2, torch.Generator().manual_seed(0))
+    r = gr.draw(model, char_tokenizer(), task, rows, 2, torch.Generator().manual_seed(0))
     assert (r.attention_mask[:, 0] == 0).any() and (r.mask.sum(-1) < r.mask.shape[1]).any()
     return model, r
 
 
-def per_token_scores(model: torch.nn.Module, r: v.Rollout) -> dict[tuple[int, int], list[torch.Tensor]]:
+def per_token_scores(model: torch.nn.Module, r: gr.Rollout) -> dict[tuple[int, int], list[torch.Tensor]]:
     """(row, t) -> grad log pi(y_t), each from its own forward pass on the unpadded prefix."""
     params = [p for p in model.parameters() if p.requires_grad]
     width = r.mask.shape[1]
@@ -45,7 +48,7 @@ def per_token_scores(model: torch.nn.Module, r: v.Rollout) -> dict[tuple[int, in
 def test_gradients_and_exact_norms_match_per_token_autograd(setup):
     model, r = setup
     scores = per_token_scores(model, r)
-    logp, proxy = v.token_logprobs(model, r)
+    logp, proxy = gr.token_logprobs(model, r)
     torch.testing.assert_close(logp.detach().float(), r.logprobs, atol=1e-5, rtol=0)  # what was sampled
     otb = otbrl.compute_advantages(
         "otb", rewards=torch.tensor([1.0, 0, 0, 1, 1, 0]), mask=r.mask, group_ids=r.group_ids, energy=proxy
@@ -55,12 +58,12 @@ def test_gradients_and_exact_norms_match_per_token_autograd(setup):
         "random": torch.randn(r.mask.shape, generator=torch.Generator().manual_seed(1)),
         "otb": otb,
     }
-    got = v.policy_gradients(model, logp, advantages)
+    got = gr.policy_gradients(model, logp, advantages)
     rows = r.mask.shape[0]
     for name, adv in advantages.items():
         want = sum(adv[i, t].double() * torch.cat([s.reshape(-1) for s in g]) for (i, t), g in scores.items())
         torch.testing.assert_close(got[name], want / rows, msg=name)
-    exact = v.exact_energy(model, r)
+    exact = gr.exact_energy(model, r)
     want = torch.zeros(r.mask.shape, dtype=torch.float64)
     for (i, t), g in scores.items():
         want[i, t] = sum(s.square().sum() for s in g)
@@ -72,7 +75,7 @@ def test_gram_statistics_match_direct_formulas():
     ref = torch.randn(9, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.5
     ref_sq = ref.square().sum().item()
     idx = [0, 2, 3, 4, 5]
-    got = v.gradient_stats(g @ g.T, g @ ref, ref_sq, idx)
+    got = gs.gradient_stats(g @ g.T, g @ ref, ref_sq, idx)
     sub = g[idx]
     var = sub.var(0).sum().item()  # per-coordinate unbiased variance, summed
     mean = sub.mean(0)
@@ -84,26 +87,55 @@ def test_gram_statistics_match_direct_formulas():
     se = math.sqrt(4 / 5 * (loo - loo.mean()).square().sum().item()) / ref_sq
     assert got["rel_var_se"] == pytest.approx(se)
     same = g[:1].expand(4, -1)  # one estimator applied to identical batches: no variance
-    stats = v.gradient_stats(same @ same.T, same @ ref, ref_sq, list(range(4)))
+    stats = gs.gradient_stats(same @ same.T, same @ ref, ref_sq, list(range(4)))
     assert stats["rel_var"] == pytest.approx(0.0, abs=1e-12)
     assert stats["rel_mse"] == pytest.approx((g[0] - ref).square().sum().item() / ref_sq)
-    ratio, ratio_se = v.variance_ratio(4 * g @ g.T, g @ g.T, idx)  # doubling the gradients
+    ratio, ratio_se = gs.variance_ratio(4 * g @ g.T, g @ g.T, idx)  # doubling the gradients
     assert ratio == pytest.approx(4.0) and ratio_se == pytest.approx(0.0, abs=1e-9)
+
+
+def test_moments_of_vectors_match_plain_loops():
+    g = torch.randn(7, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64) + 1.5
+    ref = torch.randn(5, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.3
+    k, d = g.shape
+    mean = [sum(g[i, j].item() for i in range(k)) / k for j in range(d)]
+    var = sum((g[i, j].item() - mean[j]) ** 2 for i in range(k) for j in range(d)) / (k - 1)
+    mean_sq = sum(m * m for m in mean)
+    ref_sq = sum(r * r for r in ref.tolist())
+    mse = sum((g[i, j].item() - ref[j].item()) ** 2 for i in range(k) for j in range(d)) / k / ref_sq
+    cos = sum(m * r for m, r in zip(mean, ref.tolist(), strict=True)) / math.sqrt(mean_sq * ref_sq)
+    m = gs.Moments.of_vectors(g, ref)
+    assert m.trace_cov == pytest.approx(var) and m.mean_sq == pytest.approx(mean_sq)
+    assert m.rel_mse == pytest.approx(mse) and m.cosine == pytest.approx(cos)
+    assert m.nsr(debiased=False) == pytest.approx(var / mean_sq)
+    assert m.nsr() == pytest.approx(var / (mean_sq - var / k))
+    gram = gs.Moments.of_gram(g @ g.T, list(range(k)), g @ ref, ref_sq)
+    for name in ("trace_cov", "rel_mse", "cosine"):
+        assert getattr(gram, name) == pytest.approx(getattr(m, name))
+    noise = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.0, -1.0]], dtype=torch.float64)
+    assert gs.Moments.of_vectors(noise).nsr() == math.inf  # no signal at all
+    # bias z-scores: (mean projection - truth projection) / its standard error, per direction
+    dirs = torch.eye(5, dtype=torch.float64)[:2]
+    z = gs.bias_z(g, ref, dirs)
+    for j in range(2):
+        col = [g[i, j].item() for i in range(k)]
+        sd = math.sqrt(sum((c - mean[j]) ** 2 for c in col) / (k - 1) / k)
+        assert z[j].item() == pytest.approx((mean[j] - ref[j].item()) / sd)
 
 
 def test_correlations_and_matching_group_size():
     exact = torch.rand(4, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 0.1
     mask = torch.ones(4, 5)
-    corr = v.correlations(3 * exact, exact, mask, torch.tensor([0, 0, 1, 1]))
+    corr = gs.correlations(3 * exact, exact, mask, torch.tensor([0, 0, 1, 1]))
     for p, lp, s, _ in corr.values():
         assert p == pytest.approx(1.0) and lp == pytest.approx(1.0) and s == pytest.approx(1.0)
     assert corr["token"][3] == 20 and corr["sequence"][3] == 4
-    assert v.pearson(torch.tensor([1.0, 2, 3]), torch.tensor([3.0, 2, 1])) == pytest.approx(-1.0)
+    assert gs.pearson(torch.tensor([1.0, 2, 3]), torch.tensor([3.0, 2, 1])) == pytest.approx(-1.0)
     curve = {4: 1.0, 8: 0.5, 16: 0.25}
-    assert v.matching_group_size(curve, 0.5) == "~8"
-    assert v.matching_group_size(curve, 0.7) in ("~6", "~5")
-    assert v.matching_group_size(curve, 2.0) == "<= 4"
-    assert v.matching_group_size(curve, 0.1) == "> 16"
+    assert matching_group_size(curve, 0.5) == "~8"
+    assert matching_group_size(curve, 0.7) in ("~6", "~5")
+    assert matching_group_size(curve, 2.0) == "<= 4"
+    assert matching_group_size(curve, 0.1) == "> 16"
 
 
 def test_unknown_estimator_is_a_clear_error(tmp_path):

@@ -1,28 +1,32 @@
 """`docs/results/claims.md`: one row per claim of the OTB paper (and two questions of ours), with what we
 measured and a verdict computed from the studies' JSON results by the rules stated next to each row.
-A claim whose study has not been run says so instead of guessing.
+The rows on the variance study are here, those on training runs in `training_claims`; a study not yet
+run says so instead of guessing.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otbrl.app.studies.compare import mean_sd
-
-Row = tuple[str, str, str, str]  # claim, measurement, verdict, command
+from otbrl.app.studies.experiment import load_experiment
+from otbrl.app.studies.report import markdown_table, mean_sd
+from otbrl.app.studies.training_claims import (
+    Row,
+    efficiency_claim,
+    lr_decay_question,
+    stability_claim,
+    tir_claim,
+)
+from otbrl.app.studies.variance import GROUP_MEAN
+from otbrl.app.studies.variance_report import ratio_name
 
 
 def _load(results: Path, name: str) -> dict[str, Any] | None:
     path = results / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _k(x: float) -> str:
-    return f"{x / 1000:.1f}k"
 
 
 def _paired(res: dict[str, Any], name: str) -> list[tuple[int, float, float]]:
@@ -36,14 +40,14 @@ def _paired(res: dict[str, Any], name: str) -> list[tuple[int, float, float]]:
 
 
 def variance_claim(res: dict[str, Any]) -> Row:
-    ratios = _paired(res, "otb / dr_grpo")
+    ratios = _paired(res, ratio_name("otb", GROUP_MEAN))
     below = [n for n, r, _ in ratios if r < 1]
     verdict = "held" if ratios and len(below) == len(ratios) else ("partly" if below else "did not hold")
     text = ", ".join(f"N={n}: {r:.2f} ± {se:.2f}" for n, r, se in ratios)
     return (
         "(a) OTB lowers the policy gradient's variance (against the group-mean baseline, same samples).",
-        f"Relative variance OTB / group mean (dr_grpo), paired on the same batches, at a fixed running_sum16 "
-        f"checkpoint: {text}.",
+        f"Relative variance OTB / group mean ({GROUP_MEAN}), paired on the same batches, at a fixed "
+        f"running_sum16 checkpoint: {text}.",
         f"**{verdict}** (rule: held if below 1 at every N)",
         "`otbrl variance`",
     )
@@ -53,7 +57,7 @@ def proxy_claim(res: dict[str, Any]) -> Row:
     corr = res.get("correlations", {})
     token = corr.get("token")
     seq = corr.get("sequence")
-    ratios = [(n, r) for n, r, _ in _paired(res, "otb / otb_exact")]
+    ratios = [(n, r) for n, r, _ in _paired(res, ratio_name("otb", "otb_exact"))]
     parts = []
     if token:
         parts.append(f"per token: Spearman {token[2]:.2f}, Pearson {token[0]:.2f} ({token[3]} tokens)")
@@ -78,100 +82,9 @@ def proxy_claim(res: dict[str, Any]) -> Row:
     )
 
 
-def efficiency_claim(res: dict[str, Any], experiment: str = "efficiency", task: str = "running_sum16") -> Row:
-    arms, target = res["arms"], res["target"]
-    otb = arms.get("otb-N4")
-    claim = (f"(b) Group size N=4 with OTB matches N=32 with GRPO while generating over 65% fewer tokens "
-             f"(62% single-turn). [{task}]")  # fmt: skip
-    if otb is None:
-        return claim, "not measured", "—", f"`otbrl compare {experiment}`"
-    if target is None:
-        finals = "; ".join(
-            f"{n}: final {mean_sd(a['final'])}, held-out {mean_sd(a['held_out'])}" for n, a in arms.items()
-        )
-        verdict = "**not measurable** here: the reference arm did not improve"
-        return claim, f"{res.get('note') or 'no target'} {finals}.", verdict, f"`otbrl compare {experiment}`"
-    lines = []
-    for name in ("grpo-N32", "dr_grpo-N32", "grpo-N4", "dr_grpo-N4", "otb-N4", "otb_loo-N4"):
-        a = arms.get(name)
-        if a is None:
-            continue
-        saving = a.get("token_saving")
-        reached = [t for t in a["tokens_to_target"] if t is not None]
-        lines.append(
-            f"{name}: final {mean_sd(a['final'])}, reached {a['reached']}/{a['seeds']}"
-            + (f" after {_k(statistics.fmean(reached))} tokens" if reached else "")
-            + (f" ({100 * saving:.0f}% fewer than grpo-N32)" if saving is not None else "")
-        )
-    mean4 = arms.get("dr_grpo-N4")
-    if mean4 is not None:  # how much of the saving is OTB's own, not just the small group's
-        their = mean4.get("token_saving")
-        lines.append(
-            f"OTB against the group mean at the same N=4: final {statistics.fmean(otb['final']):.3f} vs "
-            f"{statistics.fmean(mean4['final']):.3f}"
-            + (f", tokens saved {100 * otb['token_saving']:.0f}% vs {100 * their:.0f}%"
-               if their is not None and otb.get("token_saving") is not None else "")
-        )  # fmt: skip
-    ref = arms.get("grpo-N32")
-    if ref and ref.get("steps_to_target") and otb.get("steps_to_target"):
-        lines.append(
-            f"per optimiser step the big groups are faster: {statistics.fmean(ref['steps_to_target']):.0f} "
-            f"steps to the target for grpo-N32 vs {statistics.fmean(otb['steps_to_target']):.0f} for otb-N4"
-        )
-    saving = otb.get("token_saving")
-    if otb["reached"] == otb["seeds"] and saving is not None and saving >= 0.65:
-        verdict = "held"
-    elif otb["reached"] > 0:
-        verdict = "partly"
-    else:
-        verdict = "did not hold"
-    return (
-        claim,
-        f"Target {target:.3f} (90% of grpo-N32's final train reward); 3 seeds: " + "; ".join(lines) + ".",
-        f"**{verdict}** (rule: held if otb-N4 reaches the target in every seed with ≥ 65% fewer tokens than "
-        "grpo-N32; partly if it reaches it in some seeds)",
-        f"`otbrl compare {experiment}`",
-    )
-
-
-def stability_claim(res: dict[str, Any]) -> Row:
-    arms = res["arms"]
-    names = [n for n in ("dr_grpo-N4", "grpo-N4", "otb-N4", "otb_loo-N4") if n in arms]
-
-    def collapsed(a: dict[str, Any]) -> int:
-        return sum(c is not None for c in a["collapses"])
-
-    parts = [
-        f"{n}: collapsed {collapsed(arms[n])}/{arms[n]['seeds']}, {arms[n]['surges']} grad-norm surges, "
-        f"final {mean_sd(arms[n]['final'])}"
-        for n in names
-    ]
-    if "otb-N4" not in arms:
-        return ("(c) OTB prevents gradient-norm surges and collapse.", "not measured", "—",
-                "`otbrl compare stress`")  # fmt: skip
-    otb = arms["otb-N4"]
-    means = [arms[n] for n in ("dr_grpo-N4", "grpo-N4") if n in arms]
-    fewer_collapses = all(collapsed(otb) < collapsed(m) for m in means)
-    fewer_surges = all(otb["surges"] < m["surges"] for m in means)
-    any_collapse = any(collapsed(m) for m in means)
-    if not any_collapse and not any(m["surges"] for m in means):
-        verdict = "not tested (the group-mean runs neither collapsed nor surged)"
-    elif fewer_collapses and fewer_surges and collapsed(otb) == 0:
-        verdict = "held"
-    elif fewer_collapses or fewer_surges:
-        verdict = "partly"
-    else:
-        verdict = "did not hold"
-    return (
-        "(c) OTB prevents the gradient-norm surges that precede training collapse.",
-        "Stress setting (running_sum48, lr 3e-4, N=4, 3 seeds): " + "; ".join(parts) + ".",
-        f"**{verdict}** (rule: held if OTB never collapsed and had fewer collapses and surges than each "
-        "group-mean arm; partly if fewer of one)",
-        "`otbrl compare stress`",
-    )
-
-
-def loo_question(var: dict[str, Any] | None, eff: dict[str, Any] | None) -> Row:
+def loo_question(
+    var: dict[str, Any] | None, eff: dict[str, Any] | None, experiment: str = "efficiency"
+) -> Row:
     parts = []
     if var:
         r = []
@@ -180,76 +93,17 @@ def loo_question(var: dict[str, Any] | None, eff: dict[str, Any] | None) -> Row:
             if "otb" in s and "otb_loo" in s:
                 r.append(f"N={n}: {s['otb_loo']['nsr']:.2f} vs {s['otb']['nsr']:.2f}")
         parts.append("noise-to-signal, leave-one-out vs self-inclusive: " + ", ".join(r))
-    if eff and "otb_loo-N4" in eff["arms"] and "otb-N4" in eff["arms"]:
-        a, b = eff["arms"]["otb_loo-N4"], eff["arms"]["otb-N4"]
-        parts.append(f"training final reward {mean_sd(a['final'])} vs {mean_sd(b['final'])}")
+    if eff:
+        exp = load_experiment(experiment)
+        loo, cand = exp.role("leave_one_out"), exp.role("candidate")
+        if loo in eff["arms"] and cand in eff["arms"]:
+            a, b = eff["arms"][loo], eff["arms"][cand]
+            parts.append(f"training final reward {mean_sd(a['final'])} vs {mean_sd(b['final'])}")
     return (
         "(ours) Does the unbiased leave-one-out OTB beat the paper's self-inclusive form?",
         "; ".join(parts) + "." if parts else "not measured",
         "see the numbers: leave-one-out is unbiased by construction; the question is its noise",
-        "`otbrl variance`, `otbrl compare efficiency`",
-    )
-
-
-def tir_claim(res: dict[str, Any]) -> Row:
-    arms = res["arms"]
-    parts = [
-        f"{n}: final {mean_sd(a['final'])}, held-out {mean_sd(a['held_out'])}, "
-        f"reached {a['reached']}/{a['seeds']}"
-        + (f", {100 * a['token_saving']:.0f}% fewer tokens to target" if a.get("token_saving") else "")
-        for n, a in arms.items()
-    ]
-    otb, mean = arms.get("otb-N4"), arms.get("dr_grpo-N4")
-    verdict = "—"
-    if otb and mean:
-        better = statistics.fmean(otb["final"]) > statistics.fmean(mean["final"])
-        saving = otb.get("token_saving")
-        verdict = "held" if better and saving and saving > 0 else ("partly" if better or (saving or 0) > 0
-                                                                   else "did not hold")  # fmt: skip
-    target = res.get("target")
-    return (
-        "OTB also helps in multi-turn tool-integrated reasoning (66% fewer tokens in the blog's TIR runs).",
-        f"tir_product3 (calculator, up to 3 turns), N=4, 3 seeds, target {target:.3f}: " + "; ".join(parts)
-        if target is not None
-        else "not measured",
-        f"**{verdict}** (rule: held if OTB ends higher than the group mean and reaches the target with "
-        "fewer tokens)",
-        "`otbrl compare tir`",
-    )
-
-
-def lr_decay_question(res: dict[str, Any]) -> Row:
-    arms = res["arms"]
-
-    def collapsed(a: dict[str, Any]) -> int:
-        return sum(c is not None for c in a["collapses"])
-
-    parts, better = [], []
-    for base in ("dr_grpo-N4", "otb-N4"):
-        for variant in ("", "-length_decay", "-length_or_grad_decay", "-linear_decay"):
-            a = arms.get(base + variant)
-            if a is None:
-                continue
-            fired = sum(len(d) for d in a["decays"])
-            parts.append(
-                f"{base + variant}: collapsed {collapsed(a)}/{a['seeds']}, final {mean_sd(a['final'])}"
-                + (f", {fired} LR-decay triggers" if "length" in variant else "")
-            )
-        if base in arms and base + "-length_decay" in arms:
-            better.append(collapsed(arms[base + "-length_decay"]) < collapsed(arms[base]))
-    fired = sum(len(d) for n, a in arms.items() if n.endswith("-length_decay") for d in a["decays"])
-    if not better:
-        verdict = "—"
-    elif fired == 0:
-        verdict = "**not tested**: the length never surged here, so the length trigger never fired"
-    else:
-        verdict = "**held**" if all(better) else ("**partly**" if any(better) else "**did not hold**")
-    return (
-        "(companion paper, arXiv 2602.01826) Decaying the LR on a response-length surge prevents collapse.",
-        "Stress setting: " + "; ".join(parts) + "." if parts else "not measured",
-        verdict + " (rule: held if the length-triggered arms collapse in fewer seeds than their base arms; "
-        "[stress.md](stress.md) has when each trigger fired against the first gradient-norm surge)",
-        "`otbrl compare stress`",
+        f"`otbrl variance`, `otbrl compare {experiment}`",
     )
 
 
@@ -280,9 +134,7 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         "mechanisms, not of the paper's 7B numbers. Verdicts follow the stated rules, applied to the "
         "numbers in the linked pages (regenerate this page with `otbrl claims` after the studies).",
         "",
-        "| claim | measured | verdict | command |",
-        "|---|---|---|---|",
-        *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows),
+        markdown_table(["claim", "measured", "verdict", "command"], rows, aligned=False),
         "",
         "Details: [variance.md](variance.md), [efficiency.md](efficiency.md), "
         "[efficiency48.md](efficiency48.md), [stress.md](stress.md), "

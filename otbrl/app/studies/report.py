@@ -1,10 +1,13 @@
-"""What every results page starts with and is made of: the machine it was measured on and aligned
-markdown tables. Shared by the studies and by the scripts in benchmarks/."""
+"""What every results page is made of: the machine it was measured on, markdown tables (the one table
+writer, for the studies and for benchmarks/) and a mean ± sd cell. Page prose lives with each study."""
 
 from __future__ import annotations
 
+import math
 import os
 import platform
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -29,12 +32,29 @@ def machine(threads: int) -> str:
     )
 
 
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table padded to aligned columns, so it also reads well when printed."""
+def markdown_table(header: Sequence[object], rows: Sequence[Sequence[object]], aligned: bool = True) -> str:
+    """A markdown table. aligned: cells right-justified to a common width (reads well when printed);
+    otherwise compact `| a | b |` rows, for tables whose cells are long prose."""
+    if any(len(r) != len(header) for r in rows):
+        raise ValueError(f"rows: every row needs {len(header)} cells, one per header column")
+    if not aligned:
+        cells = ["| " + " | ".join(map(str, r)) + " |" for r in (header, *rows)]
+        return "\n".join([cells[0], "|" + "---|" * len(header), *cells[1:]])
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
 
-    def line(cells: list[str]) -> str:
+    def line(cells: Sequence[object]) -> str:
         return "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
 
     rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def mean_sd(values: Sequence[float | None]) -> str:
+    """'mean ± sd' over the values that are numbers (None and NaN dropped), '—' if none; values of
+    1000 or more in thousands ('12.3k')."""
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    if not kept:
+        return "—"
+    mean = statistics.fmean(kept)
+    fmt = (lambda v: f"{v / 1000:.1f}k") if abs(mean) >= 1000 else (lambda v: f"{v:.3f}")
+    return fmt(mean) + (f" ± {fmt(statistics.stdev(kept))}" if len(kept) > 1 else "")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import otbrl
+from otbrl.app.studies.gradstats import Moments, bias_z
 
 
 @dataclass
@@ -139,9 +140,9 @@ def gradient_study(
 ) -> dict[str, dict[str, float]]:
     """Compare estimators on `groups` independent groups of `group_size` trajectories.
 
-    Per estimator, over the per-group gradient estimates g_k and the true gradient g:
-    variance   trace Cov(g_k);  nsr  trace Cov / ||mean g_k||^2 (scale-free noise-to-signal);
-    rel_mse    mean ||g_k - g||^2 / ||g||^2;  cosine  cos(mean g_k, g);
+    Per estimator, over the per-group gradient estimates g_k and the true gradient g (`gradstats`):
+    variance   trace Cov(g_k);  nsr  trace Cov / ||mean g_k||^2 (scale-free noise-to-signal; K is large
+               here, so not debiased);  rel_mse  mean ||g_k - g||^2 / ||g||^2;  cosine  cos(mean g_k, g);
     bias_z     largest |z| of (mean - g) projected on g's direction and 8 random ones: for an unbiased
                estimator it is a maximum of 9 standard normals (below 3 almost always).
     """
@@ -149,9 +150,8 @@ def gradient_study(
     directions = torch.randn(
         8, g_true.numel(), generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64
     )
-    directions = torch.cat([g_true[None], directions]) / torch.cat([g_true[None], directions]).norm(
-        dim=1, keepdim=True
-    )
+    directions = torch.cat([g_true[None], directions])
+    directions = directions / directions.norm(dim=1, keepdim=True)
     traj = sample(policy, group_size * groups, torch.Generator().manual_seed(seed))
     rewards = reward(traj["tokens"], traj["mask"].sum(1).long())
     energy = score_energy(policy, traj)
@@ -162,14 +162,13 @@ def gradient_study(
             name, rewards=rewards, mask=traj["mask"], group_ids=gid, energy=energy, **opts
         )
         grads = policy_gradients(policy, traj, res.advantages, groups)
-        mean, var = grads.mean(0), grads.var(0).sum().item()
-        proj = grads @ directions.T
-        z = (proj.mean(0) - directions @ g_true) / (proj.var(0) / groups).sqrt()
+        m = Moments.of_vectors(grads, g_true)
+        z = bias_z(grads, g_true, directions)
         out[label] = {
-            "variance": var,
-            "nsr": var / mean.square().sum().item(),
-            "rel_mse": ((grads - g_true) ** 2).sum(1).mean().item() / g_true.square().sum().item(),
-            "cosine": torch.nn.functional.cosine_similarity(mean, g_true, dim=0).item(),
+            "variance": m.trace_cov,
+            "nsr": m.nsr(debiased=False),
+            "rel_mse": m.rel_mse,
+            "cosine": m.cosine,
             "bias_z": z.abs().max().item(),
             "bias_z_along_g": z[0].item(),
         }

@@ -1,0 +1,174 @@
+"""Statistics of policy-gradient estimates, shared by the variance study and the toy testbed: variance
+(trace of the covariance), noise-to-signal, MSE and cosine against a reference gradient, delete-one
+jackknife errors, bias z-scores, and the correlations of the proxy energy with exact score norms."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Moments:
+    """What every statistic of K gradient estimates g_k against a reference g_ref is a function of:
+    K, sum_k ||g_k||^2, ||sum_k g_k||^2, sum_k g_k . g_ref and ||g_ref||^2. Built from the vectors, or
+    from their Gram matrix, where any subset of the K (jackknife leave-one-outs) costs nothing more."""
+
+    k: int
+    sq_norms: float
+    sum_sq: float
+    ref_dots: float = math.nan
+    ref_sq: float = math.nan
+
+    @classmethod
+    def of_vectors(cls, grads: torch.Tensor, ref: torch.Tensor | None = None) -> Moments:
+        """grads (K, D), ref (D,)."""
+        g = grads.double()
+        extra = {}
+        if ref is not None:
+            r = ref.double()
+            extra = {"ref_dots": (g @ r).sum().item(), "ref_sq": r.square().sum().item()}
+        return cls(len(g), g.square().sum().item(), g.sum(0).square().sum().item(), **extra)
+
+    @classmethod
+    def of_gram(
+        cls, gram: torch.Tensor, idx: list[int], dots: torch.Tensor | None = None, ref_sq: float = math.nan
+    ) -> Moments:
+        """gram (K, K) of g_k . g_l, dots (K,) of g_k . g_ref; only the estimates idx."""
+        sub = gram[idx][:, idx]
+        ref_dots = dots[idx].sum().item() if dots is not None else math.nan
+        return cls(len(idx), sub.diagonal().sum().item(), sub.sum().item(), ref_dots, ref_sq)
+
+    @property
+    def trace_cov(self) -> float:
+        """Unbiased trace of Cov(g_k): (sum ||g_k||^2 - ||sum g_k||^2 / K) / (K - 1)."""
+        return (self.sq_norms - self.sum_sq / self.k) / (self.k - 1)
+
+    @property
+    def mean_sq(self) -> float:
+        """||mean_k g_k||^2."""
+        return self.sum_sq / self.k**2
+
+    @property
+    def rel_mse(self) -> float:
+        """mean_k ||g_k - g_ref||^2 / ||g_ref||^2."""
+        return (self.sq_norms - 2 * self.ref_dots + self.k * self.ref_sq) / self.k / self.ref_sq
+
+    @property
+    def cosine(self) -> float:
+        """cos(mean_k g_k, g_ref)."""
+        return self.ref_dots / self.k / math.sqrt(self.mean_sq * self.ref_sq)
+
+    def nsr(self, debiased: bool = True) -> float:
+        """Noise-to-signal trace Cov / ||E g||^2 (scale-free). debiased: ||E g||^2 estimated without bias
+        as ||mean g||^2 - trace Cov / K (matters at small K); otherwise ||mean g||^2. inf without signal."""
+        signal = self.mean_sq - (self.trace_cov / self.k if debiased else 0.0)
+        return self.trace_cov / signal if signal > 0 else math.inf
+
+
+def trace_cov(gram: torch.Tensor, idx: list[int]) -> float:
+    """Unbiased trace of the covariance of the gradients idx, from their Gram matrix."""
+    return Moments.of_gram(gram, idx).trace_cov
+
+
+def jackknife_se(stat: Callable[[list[int]], float], idx: list[int]) -> float:
+    """Delete-one jackknife standard error of stat over the batches idx (NaN below 3 batches)."""
+    k = len(idx)
+    if k < 3:
+        return math.nan
+    loo = torch.tensor([stat(idx[:j] + idx[j + 1 :]) for j in range(k)], dtype=torch.float64)
+    return math.sqrt((k - 1) / k * (loo - loo.mean()).square().sum().item())
+
+
+def gradient_stats(gram: torch.Tensor, dots: torch.Tensor, ref_sq: float, idx: list[int]) -> dict[str, float]:
+    """Relative variance (with jackknife SE), relative MSE, debiased noise-to-signal and cosine of the
+    gradients idx, given their Gram matrix (K, K), their dot products with g_ref (K,) and ||g_ref||^2."""
+    m = Moments.of_gram(gram, idx, dots, ref_sq)
+    return {
+        "rel_var": m.trace_cov / ref_sq,
+        "rel_var_se": jackknife_se(lambda s: trace_cov(gram, s), idx) / ref_sq,
+        "rel_mse": m.rel_mse,
+        "nsr": m.nsr(debiased=True),
+        "cosine": m.cosine,
+        "k": m.k,
+    }
+
+
+def variance_ratio(gram_a: torch.Tensor, gram_b: torch.Tensor, idx: list[int]) -> tuple[float, float]:
+    """trace Cov(a) / trace Cov(b) on the same batches idx, and its jackknife SE (paired: the batch-to-batch
+    luck that the two share cancels)."""
+
+    def ratio(s: list[int]) -> float:
+        return trace_cov(gram_a, s) / trace_cov(gram_b, s)
+
+    return ratio(idx), jackknife_se(ratio, idx)
+
+
+def bias_z(grads: torch.Tensor, truth: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+    """z-scores (J,) of the mean of K estimates grads (K, D) minus the true gradient (D,), projected on
+    each unit direction (J, D): for an unbiased estimator each is about standard normal."""
+    proj = grads @ directions.T
+    return (proj.mean(0) - directions @ truth) / (proj.var(0) / len(grads)).sqrt()
+
+
+def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    return (x @ y / (x.norm() * y.norm())).item()
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Rank correlation (ties broken by order: the energies are continuous)."""
+    return pearson(x.argsort().argsort(), y.argsort().argsort())
+
+
+def correlations(
+    proxy: torch.Tensor, exact: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor
+) -> dict[str, tuple[float, float, float, int]]:
+    """Proxy vs exact energies (B, T), policy tokens mask (B, T), group ids (B,): (Pearson, Pearson of the
+    logs, Spearman, count) per policy token; per sequence for W_T (sum over the sequence); and for W_T
+    relative to its group's mean (OTB's baseline only compares energies within a group). The norms span
+    orders of magnitude, so the linear Pearson is dominated by the largest few; the log and rank versions
+    describe the bulk."""
+
+    def stats(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float, int]:
+        tiny = 1e-30  # a zero energy (mask edge cases) must not give log(0)
+        return (
+            pearson(x, y),
+            pearson(x.clamp_min(tiny).log(), y.clamp_min(tiny).log()),
+            spearman(x, y),
+            len(x),
+        )
+
+    keep = mask.bool()
+    w_seq, e_seq = proxy.double().sum(-1), exact.sum(-1)
+
+    def within(x: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros(int(groups.max()) + 1, dtype=x.dtype).index_add_(0, groups, x)
+        count = torch.bincount(groups).to(x.dtype)
+        return x / (total / count)[groups]
+
+    return {
+        "token": stats(proxy[keep], exact[keep]),
+        "sequence": stats(w_seq, e_seq),
+        "within_group": stats(within(w_seq), within(e_seq)),
+    }
+
+
+def pooled_correlations(tokens: dict[str, list]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Proxy-vs-exact `correlations` and the scatter points (token and sequence level) over batches of
+    different widths: tokens holds lists of (B_i, T_i) "proxy", "exact", "mask" and (B_i,) "groups"."""
+    if not tokens["mask"]:
+        return {}, {}
+    width = max(m.shape[1] for m in tokens["mask"])
+
+    def cat(key: str) -> torch.Tensor:  # rows of different widths: pad with zeros (mask 0)
+        return torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in tokens[key]])
+
+    proxy, exact, mask = cat("proxy").double(), cat("exact"), cat("mask")
+    keep = mask.bool()
+    scatter = {"token": (proxy[keep], exact[keep]), "sequence": (proxy.sum(-1), exact.sum(-1))}
+    return correlations(proxy, exact, mask, torch.cat(tokens["groups"])), scatter

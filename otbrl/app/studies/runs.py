@@ -1,0 +1,119 @@
+"""Training runs on disk: the one reader and writer of a run's `metrics.jsonl` (one JSON object per logged
+step), the moving average its curves are smoothed with, and `otbrl train` runs launched in their own
+processes, resuming what is already done."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def read_metrics(path: Path, key: str | None = None) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (blank lines skipped); with `key`, only the rows that hold it."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return rows if key is None else [r for r in rows if key in r]
+
+
+def write_metrics(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """Replace the file with these rows, one JSON object a line."""
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def append_metrics(path: Path, row: dict[str, Any]) -> None:
+    """Add one row (one logged step) at the end of the file."""
+    with Path(path).open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def moving_average(values: list[float], window: int, centred: bool = True) -> list[float]:
+    """Mean over a window at each step, shorter where the series begins or ends. centred: window // 2
+    steps on either side (no lag, so a curve crosses a level where the raw series does); otherwise the
+    last `window` steps up to and including this one (trailing, as a live curve would)."""
+    if window < 1:
+        raise ValueError(f"window: must be >= 1, got {window}")
+    before, after = (window // 2, window // 2) if centred else (window - 1, 0)
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - before) : i + after + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+@dataclass
+class Run:
+    """One `otbrl train` run: an experiment's arm at one seed, its directory and its recipe overrides."""
+
+    arm: str
+    seed: int
+    dir: Path
+    overrides: dict[str, Any]
+
+
+def is_done(run: Run) -> bool:
+    """A run counts as done when it wrote its summary with the same recipe it would be run with now."""
+    recipe = run.dir / "run.json"
+    return (
+        (run.dir / "summary.json").is_file()
+        and recipe.is_file()
+        and (json.loads(recipe.read_text()) == run.overrides)
+    )
+
+
+def _train(recipe: str, run: Run) -> tuple[int, str]:
+    """Run `otbrl train` for one run in its own process, its output in the run's train.log.
+    Returns (exit code, a line that says why it failed, or "")."""
+    run.dir.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "otbrl.app.cli", "train", "--config", recipe]
+    for key, value in run.overrides.items():
+        args += [f"--{key}", json.dumps(value) if isinstance(value, dict | list | bool) else str(value)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(run.overrides["threads"])}
+    log_path = run.dir / "train.log"
+    with log_path.open("w") as out:
+        code = subprocess.call(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if code == 0:
+        (run.dir / "run.json").write_text(json.dumps(run.overrides))
+        return code, ""
+    tail = log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
+    return code, f"{run.arm} seed {run.seed}: exit {code}: {tail[0]} (log: {log_path})"
+
+
+def execute(
+    name: str, recipe: str, runs: list[Run], jobs: int = 2, log: Callable[[str], Any] = print
+) -> list[str]:
+    """Run what is not done yet of experiment `name` (base recipe `recipe`), `jobs` at a time. Returns one
+    line per failed run (nothing is dropped silently)."""
+    todo = [r for r in runs if not is_done(r)]
+    if len(todo) < len(runs):
+        log(f"{len(runs) - len(todo)} of {len(runs)} runs already done (delete a run's directory to redo it)")
+    failures: list[str] = []
+    try:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), desc=f"{name} runs", unit="run")
+    except ImportError:
+        bar = None
+
+    def one(run: Run) -> None:
+        start = time.perf_counter()
+        code, failure = _train(recipe, run)
+        if failure:
+            failures.append(failure)
+        if bar is not None:
+            bar.set_postfix_str(f"{run.arm} s{run.seed} {time.perf_counter() - start:.0f}s")
+            bar.update()
+        else:
+            log(f"done {run.arm} seed {run.seed} ({time.perf_counter() - start:.0f}s, exit {code})")
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(one, todo))
+    if bar is not None:
+        bar.close()
+    return failures
