@@ -56,8 +56,9 @@ def test_bad_recipes_fail_clearly(overrides, match, tmp_path):
 
 
 def test_unknown_estimator_fails_before_any_model_is_built(tmp_path):
-    recipe = load_recipe("demo", {**FAST, "output_dir": str(tmp_path), "advantage_estimator": "nope"})
+    # Caught when the recipe is read now (load_recipe), still before any model is built.
     with pytest.raises(ValueError, match=r"advantage_estimator: unknown .*known: .*otb"):
+        recipe = load_recipe("demo", {**FAST, "output_dir": str(tmp_path), "advantage_estimator": "nope"})
         run(recipe, log=lambda *_: None)
 
 
