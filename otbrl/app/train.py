@@ -318,7 +318,7 @@ def check_estimator_options(name: str, options: Any) -> None:
     if options is None:
         return
     if not isinstance(options, dict):
-        raise ValueError(f"estimator_options: expected a mapping like {{leave_one_out: true}}, got {options!r}")
+        raise ValueError(f"estimator_options: expected a mapping ({{leave_one_out: true}}), got {options!r}")
     spec = otbrl.ESTIMATORS.get(name)
     if spec is None:
         return  # OTBGRPOConfig names the unknown estimator

@@ -132,7 +132,8 @@ class GuardedReward:
             )  # fmt: skip
         if len(failed) == n:
             raise RewardFailure(
-                f"reward function {self.name} failed on every sample of a batch ({n}): {why}; sample: {sample}"
+                f"reward function {self.name} failed on every sample of a batch ({n}): {why}; "
+                f"sample: {sample}"
             )
         if self.failures > self.max_failure_fraction * self.scored:
             raise RewardFailure(
