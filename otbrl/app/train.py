@@ -206,6 +206,8 @@ def coerce(key: str, value: Any) -> Any:
     if isinstance(value, str) and shapes & {"list", "dict"}:
         parsed = parse_value(value)
         value = parsed if isinstance(parsed, list | dict) else value
+    elif isinstance(value, str) and len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+        value = parse_value(value)  # a quoted command-line value: '"Answer: 42"' is the string in quotes
     if isinstance(value, dict):
         if "dict" not in shapes:
             raise ValueError(f"{key}: expected a single value, not a mapping {value!r}")
