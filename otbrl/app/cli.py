@@ -39,6 +39,18 @@ def fail(message: str, code: int = 2) -> CliError:
     return CliError(text, code)
 
 
+def _show_warnings() -> None:
+    """otbrl's warnings (a reward function's first failure) on stderr, whatever the libraries did to
+    logging; left alone when the root logger already has a handler (pytest, an application's own)."""
+    import logging
+
+    root, ours = logging.getLogger(), logging.getLogger("otbrl")
+    if not root.handlers and not ours.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        ours.addHandler(handler)
+
+
 def parse_overrides(items: list[str], raw: bool = False) -> dict:
     """["--learning_rate", "1e-4", "--estimator-options", '{"leave_one_out": true}'] -> a dict of values
     read as YAML 1.2 (or, with `raw`, the strings as given: load_recipe reads them as their fields'
@@ -140,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from otbrl.integrations.trl.rewards import RewardFailure
 
+    _show_warnings()
     try:
         recipe = load_recipe(
             "demo" if args.command == "demo" else args.config, parse_overrides(rest, raw=True)

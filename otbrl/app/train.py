@@ -237,7 +237,12 @@ def load_recipe(config: str, overrides: dict[str, Any] | None = None) -> dict[st
     recipe = read_yaml(path.read_text(), f"config {path}") or {}
     if not isinstance(recipe, dict):
         raise ValueError(f"config: {path} must hold a mapping of keys to values")
-    recipe.update(overrides or {})
+    overrides = dict(overrides or {})
+    if overrides.get("dataset") and "task" not in overrides:
+        recipe.pop("task", None)  # a dataset given over a task recipe replaces the task
+    if overrides.get("task") and "dataset" not in overrides:
+        recipe.pop("dataset", None)
+    recipe.update(overrides)
     _, _, defaults = _schema()
     known = set(defaults)
     for key in recipe:
@@ -745,6 +750,8 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     config = check_recipe(recipe)
     train_rows, eval_rows = load_rows(recipe)
     check_enough_rows(train_rows, config)
+    if str(recipe["model"]).startswith("warm") and not recipe["task"]:
+        raise ValueError("model: warm:<preset> warm-starts on a built-in task; set task, or give a model")
     reward = GuardedReward(make_reward(recipe), max_failure_fraction=recipe["reward_max_failure_fraction"])
     tools, max_turns = tool_settings(recipe)
     synthetic = str(recipe["model"]).partition(":")[0] in ("warm", "random")
@@ -789,7 +796,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     trainer.add_callback(_progress_callback(config.generation_batch_size, bar=not config.disable_tqdm))
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     if not metrics.is_file():
-        raise RuntimeError(f"training ran no step (max_steps {config.max_steps}); nothing to summarise")
+        raise ValueError(f"max_steps: no training step ran (max_steps {config.max_steps})")
     trainer.save_model(str(out / "final"))
     after = evaluate_now()
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
