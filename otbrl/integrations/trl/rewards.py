@@ -69,8 +69,8 @@ class GuardedReward:
             self._signature.bind(prompts=prompts, completions=completions, **kwargs)
         except TypeError as err:
             raise RewardFailure(
-                f"reward function {self.name}{self._signature} cannot be called with the keyword "
-                f"arguments TRL passes (prompts, completions, {', '.join(sorted(kwargs))}): {err}. "
+                f"reward function {self.name}{self._signature} cannot take the keyword arguments it is "
+                f"called with (prompts, completions, {', '.join(sorted(kwargs))}): {err}. "
                 "Give it a **kwargs parameter"
             ) from None
 
