@@ -127,3 +127,23 @@ def test_offline_names_missing_from_the_cache_fail_in_one_line(tmp_path, hub_hom
     assert line.startswith(f"otbrl: {what}"), line
     assert "HF_HUB_OFFLINE=1" in line and ("save_pretrained" in line or "save_to_disk" in line)
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_chat_prompts_carry_the_system_prompt_and_render_for_evaluation():
+    from otbrl.app.train import load_recipe, make_config, shape_prompts
+    from otbrl.tasks import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    recipe = load_recipe("dataset-example", {"model": "some/model", "system_prompt": "be brief"})
+    config = make_config(recipe)
+    train_rows, eval_rows, chat = shape_prompts(recipe, tokenizer, rows, rows, config)
+    assert chat is True  # chat: None and the tokenizer has a template
+    assert train_rows == [{"prompt": [{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "1+1="}], "answer": "2"}]  # fmt: skip
+    assert eval_rows == [{"prompt": "system: be brief;user: 1+1=;assistant: ", "answer": "2"}]
+    plain, plain_eval, chat = shape_prompts({**recipe, "chat": False}, tokenizer, rows, rows, config)
+    assert chat is False and plain == plain_eval == [{"prompt": "be brief\n\n1+1=", "answer": "2"}]
+    with pytest.raises(ValueError, match="chat: the tokenizer of some/model has no chat template"):
+        shape_prompts({**recipe, "chat": True}, char_tokenizer(), rows, rows, config)

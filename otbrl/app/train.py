@@ -446,13 +446,14 @@ def load_rows(recipe: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     return rows[cut:], rows[:cut]
 
 
-def check_enough_rows(train_rows: list[dict], config: Any) -> None:
+def check_enough_rows(train_rows: list[dict], config: Any, key: str = "dataset") -> None:
     """One step needs generation_batch_size / num_generations distinct prompts (TRL drops a short last
-    batch, so fewer train zero steps)."""
+    batch, so fewer train zero steps). `key` names the recipe key to blame."""
     need = config.generation_batch_size // config.num_generations
     if len(train_rows) < need:
+        where = "after the held-out split" if key == "dataset" else "drawn"
         raise ValueError(
-            f"dataset: {len(train_rows)} training prompt(s) after the held-out split, but one step needs "
+            f"{key}: {len(train_rows)} training prompt(s) {where}, but one step needs "
             f"{need} (per_device_train_batch_size x gradient_accumulation_steps / num_generations); "
             "add rows or lower per_device_train_batch_size"
         )
@@ -749,7 +750,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     # Everything that can be wrong with the recipe fails here, before a warm start or a model load.
     config = check_recipe(recipe)
     train_rows, eval_rows = load_rows(recipe)
-    check_enough_rows(train_rows, config)
+    check_enough_rows(train_rows, config, "train_size" if recipe["task"] else "dataset")
     if str(recipe["model"]).startswith("warm") and not recipe["task"]:
         raise ValueError("model: warm:<preset> warm-starts on a built-in task; set task, or give a model")
     reward = GuardedReward(make_reward(recipe), max_failure_fraction=recipe["reward_max_failure_fraction"])
