@@ -1,8 +1,10 @@
 # Fresh clone -> `make test` or `make demo`. torch is installed first and pinned: an unpinned torch
-# pulls several GB of CUDA packages.
+# pulls several GB of CUDA packages. pyproject.toml states ranges (what the code needs); CI installs the
+# exact versions tested (TESTED), so a new release elsewhere cannot change what CI runs.
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
+TESTED  := $(TORCH) trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0 math-verify==0.9.0
 
 # The verl plugin is tested in its own venv: verl pins a transformers range that TRL's does not meet.
 # The constraints file keeps verl's dependencies from replacing the CPU torch installed first.
@@ -15,12 +17,15 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev]"
+	printf '%s\n' $(TESTED) > .venv/constraints.txt
+	$(PY) -m pip install -q -c .venv/constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check otbrl tests benchmarks examples
 
+# tests/test_wheel.py builds the wheel and runs the installed commands from a temporary directory: the
+# editable install alone would hide package data missing from the wheel.
 test: $(STAMP) lint
 	$(PY) -m pytest tests
 

@@ -56,8 +56,9 @@ def test_bad_recipes_fail_clearly(overrides, match, tmp_path):
 
 
 def test_unknown_estimator_fails_before_any_model_is_built(tmp_path):
-    recipe = load_recipe("demo", {**FAST, "output_dir": str(tmp_path), "advantage_estimator": "nope"})
+    # Caught when the recipe is read now (load_recipe), still before any model is built.
     with pytest.raises(ValueError, match=r"advantage_estimator: unknown .*known: .*otb"):
+        recipe = load_recipe("demo", {**FAST, "output_dir": str(tmp_path), "advantage_estimator": "nope"})
         run(recipe, log=lambda *_: None)
 
 
@@ -107,3 +108,90 @@ def test_short_run_writes_its_outputs_and_resumes(tmp_path):
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3] and resumed["steps"] == 3
     assert lines[2]["generated_tokens"] > lines[1]["generated_tokens"]
+    # The summary of a resumed run counts the whole run's train time, not only the resumed part.
+    assert lines[2]["train_seconds"] > lines[1]["train_seconds"] > lines[0]["train_seconds"] > 0
+    assert resumed["train seconds"] == round(lines[2]["train_seconds"], 1) >= summary["train seconds"]
+
+
+def fast_args(out) -> list[str]:
+    """FAST as command-line overrides (as `otbrl compare` passes them: JSON for lists, booleans)."""
+    pairs = {**FAST, "output_dir": str(out)}.items()
+    return [x for k, v in pairs for x in (f"--{k}", v if isinstance(v, str) else json.dumps(v))]
+
+
+def test_resume_skips_a_checkpoint_torn_while_saving(tmp_path):
+    out = tmp_path / "run"
+    first = load_recipe("demo", {**FAST, "output_dir": str(out), "max_steps": 3, "plot": False})
+    run(first, log=lambda *_: None)
+    # Killed while writing checkpoint-3: its optimizer state is 0 bytes and trainer_state.json is missing.
+    (out / "checkpoint-3" / "optimizer.pt").write_bytes(b"")
+    (out / "checkpoint-3" / "trainer_state.json").unlink()
+    said: list[str] = []
+    resumed = run(
+        load_recipe("demo", {**FAST, "output_dir": str(out), "max_steps": 4, "plot": False}),
+        resume=True,
+        log=said.append,
+    )
+    assert "checkpoint-3 is incomplete (no trainer_state.json, optimizer.pt is empty): skipped" in said
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4] and resumed["steps"] == 4  # each step once
+    assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+
+
+def test_console_shows_a_compact_line_per_step_and_only_what_was_written(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["train", "--config", "demo", *fast_args(out), "--save_strategy", "no"])
+    printed = capsys.readouterr().out
+    assert "{'loss'" not in printed and "'reward'" not in printed  # no per-step dict of every metric
+    steps = [line for line in printed.splitlines() if line.startswith("step ")]
+    assert [s.split()[1] for s in steps] == ["1/2", "2/2"]
+    assert all("reward " in s and "grad norm " in s and s.endswith("tok/s") for s in steps), steps
+    closing = printed.strip().splitlines()[-1]
+    assert closing.startswith(f"wrote to {out}: summary.md, summary.json, metrics.jsonl, curves.png")
+    assert "final (the trained model)" in closing
+    assert "TensorBoard" not in closing and "checkpoint" not in closing  # report_to [] and save_strategy no
+    assert not list(out.glob("checkpoint-*")) and not list(out.rglob("events.out.tfevents*"))
+
+
+def test_a_reward_function_that_fails_in_training_stops_the_run_with_its_text(
+    tmp_path, capsys, caplog, monkeypatch
+):
+    from otbrl.app import train
+
+    def flaky(prompts, completions, answer, **kwargs):
+        if "trainer_state" in kwargs:  # works for the held-out score, fails inside the trainer
+            raise RuntimeError("grader unavailable")
+        return [0.0] * len(prompts)
+
+    monkeypatch.setattr(train, "make_reward", lambda recipe: flaky)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--config", "demo", *fast_args(tmp_path / "run")])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        "otbrl: run stopped: reward function flaky failed on every sample of a batch (8): "
+        "RuntimeError: grader unavailable; sample: prompt"
+    )
+    first = [r.getMessage() for r in caplog.records if r.name == "otbrl.rewards"]
+    assert first and first[0].startswith("otbrl: reward function flaky failed: RuntimeError: grader unavail")
+
+
+def test_claims_and_variance_from_an_unrelated_directory(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    from otbrl.app.studies import variance
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["claims"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("otbrl: nothing to summarise: no study results (")
+    assert "runs/compare-quick/results" in err
+    # variance --quick writes under the current directory, not a fixed folder of the system temp dir.
+    seen = []
+    monkeypatch.setattr(variance, "main", lambda args: seen.append(args.out))
+    main(["variance", "--quick"])
+    main(["variance", "--quick", "--out", "elsewhere"])
+    assert seen == [Path("runs/variance-quick"), Path("elsewhere")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 
 import pytest
@@ -38,8 +39,9 @@ def test_local_model_directory_loads(tmp_path):
     for a, b in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert tok.decode(tok("12+3=")["input_ids"]) == "12+3="
-    with pytest.raises(ValueError, match="model: 'nowhere' is not warm:<preset>, random:<preset> or a local"):
-        load_model({"model": "nowhere"}, log=lambda *_: None)
+    # A name that is neither a directory nor a Hub id (a Hub id is fetched: tests/test_hub.py)
+    with pytest.raises(ValueError, match=r"model: './nowhere' is not warm:<preset>, random:<preset>, a loc"):
+        load_model({"model": "./nowhere"}, log=lambda *_: None)
 
 
 def test_untested_trl_version_is_refused(monkeypatch):
@@ -51,3 +53,86 @@ def test_untested_trl_version_is_refused(monkeypatch):
         importlib.import_module("otbrl.integrations.trl")
     monkeypatch.undo()
     importlib.import_module("otbrl.integrations.trl")
+
+
+def test_rewards_read_chat_completions_boxed_answers_and_gsm8k_solutions():
+    from otbrl.app.rewards import answer_number, completion_text, final_answer, last_boxed
+
+    said = ["so it is \\boxed{12} (not 13)", "I think 7", "no idea"]
+    chat = [[{"role": "assistant", "content": c}] for c in said]
+    kw = dict(prompts=[[{"role": "user", "content": "q"}]] * 3, answer=["3+9 is 12.\n#### 12", "7", "1"])
+    assert get_reward("numeric")(completions=chat, **kw) == [1.0, 1.0, 0.0]
+    assert get_reward("math")(completions=chat, **kw) == [1.0, 1.0, 0.0]
+    assert get_reward("exact")(completions=[[{"role": "assistant", "content": " 12"}]], prompts=["q"],
+                               answer=["#### 12"]) == [1.0]  # fmt: skip
+    assert completion_text({"role": "assistant", "content": "x"}) == "x" and completion_text([]) == ""
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b \\boxed{3}") == "3" and last_boxed("\\boxed{1") is None
+    assert last_boxed("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}" and last_boxed("none") is None
+    assert answer_number("steps 4, 5 then \\boxed{1,234}") == 1234.0 and answer_number("x 2 y 3") == 3.0
+    assert final_answer("work\n#### 72 ") == "72" and final_answer(" 5 ") == "5"
+
+
+def test_guarded_reward_stops_on_a_signature_that_cannot_take_trls_keywords():
+    from otbrl.integrations.trl.rewards import GuardedReward, RewardFailure
+
+    calls = []
+
+    def reward(prompts, completions):
+        calls.append(1)
+        return [1.0] * len(prompts)
+
+    guarded = GuardedReward(reward)
+    with pytest.raises(RewardFailure, match=r"reward\(prompts, completions\) cannot take the keyword .*answer"
+                                            r".*unexpected keyword argument.*\*\*kwargs"):  # fmt: skip
+        guarded(prompts=["a", "b"], completions=["1", "2"], answer=["1", "2"])
+    assert calls == []  # not called once per sample just to fail each time
+
+
+def test_guarded_reward_logs_the_first_failure_and_retries_each_sample_once(caplog):
+    from otbrl.integrations.trl.rewards import GuardedReward
+
+    seen: list[int] = []
+
+    def reward(prompts, completions, **kwargs):
+        seen.append(len(prompts))
+        if "bad" in completions:
+            raise KeyError("no answer in " + completions[completions.index("bad")])
+        return [float(len(c)) for c in completions]
+
+    guarded = GuardedReward(reward)
+    assert GuardedReward(guarded) is guarded  # the trainer's own wrapping keeps these settings and counts
+    with caplog.at_level("WARNING", logger="otbrl.rewards"):
+        got = guarded(prompts=["p"] * 4, completions=["ab", "bad", "abc", "a"], answer=["x"] * 4)
+        assert got == [2.0, 0.0, 3.0, 1.0]
+        assert seen == [4, 1, 1, 1, 1]  # the batch, then each sample once
+        assert guarded.failures == 1 and guarded.scored == 4
+        got = guarded(prompts=["p"] * 4, completions=["bad", "ab", "ab", "ab"], answer=["x"] * 4)
+        assert got == [0.0, 2.0, 2.0, 2.0]
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1, logged  # the first failure only; later ones are counted
+    assert "KeyError: 'no answer in bad'" in logged[0] and "completion 'bad'" in logged[0]
+    assert guarded.failures == 2 and guarded.scored == 8
+
+
+def test_guarded_reward_stops_the_run_when_a_whole_batch_or_too_many_samples_fail():
+    from otbrl.integrations.trl.rewards import GuardedReward, RewardFailure
+
+    def always(prompts, completions, **kwargs):
+        raise ValueError("math_verify exploded")
+
+    with pytest.raises(RewardFailure, match=r"always failed on every sample of a batch \(3\): ValueError: "
+                                            r"math_verify exploded; sample: prompt 'p'"):  # fmt: skip
+        GuardedReward(always)(prompts=["p"] * 3, completions=["1", "2", "3"])
+
+    def nan_half(prompts, completions, **kwargs):
+        return [math.nan if c == "x" else 1.0 for c in completions]
+
+    guarded = GuardedReward(nan_half, max_failure_fraction=0.3)
+    assert guarded(prompts=["p"] * 4, completions=["x", "y", "y", "y"]) == [0.0, 1.0, 1.0, 1.0]
+    with pytest.raises(RewardFailure, match=r"failed on 3 of 8 samples \(more than max_failure_fraction 0.3\)"
+                                            r"; first failure: returned nan"):  # fmt: skip
+        guarded(prompts=["p"] * 4, completions=["x", "x", "y", "y"])
+    with pytest.raises(ValueError, match="max_failure_fraction: must be in"):
+        GuardedReward(nan_half, max_failure_fraction=0)
+    none = GuardedReward(lambda prompts, completions, **kw: [None] * len(prompts))
+    assert none(prompts=["p"], completions=["c"]) == [None] and none.failures == 0

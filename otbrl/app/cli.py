@@ -6,6 +6,9 @@ otbrl recipes                                                         list the p
 otbrl compare EXPERIMENT [--quick] [--jobs 2]                         runs over estimators x seeds
 otbrl claims [--results docs/results]                                 the claims table from the studies
 otbrl variance [--quick] [--out DIR] [...]                            estimators' gradient variance
+
+A bad recipe, value or input ends in one line starting `otbrl:` and exit code 2, before any model is
+loaded; a run stopped by failing reward functions ends the same way with exit code 1.
 """
 
 from __future__ import annotations
@@ -15,22 +18,54 @@ import sys
 from pathlib import Path
 
 from otbrl.app.studies.compare import compare, experiment_names
-from otbrl.app.train import load_recipe, parse_value, recipe_names, run, summary_table
+from otbrl.app.train import load_recipe, parse_value, recipe_names, run, summary_table, written
+
+STUDIES = ("variance", "efficiency", "efficiency48", "stress", "tir")  # the JSON results claims reads
 
 
-def parse_overrides(items: list[str]) -> dict:
-    """["--learning_rate", "1e-4", "--estimator-options", '{"leave_one_out": true}'] -> a dict."""
+class CliError(SystemExit):
+    """A SystemExit whose text is the message (printed once by `fail`) and whose code is the exit
+    status."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def fail(message: str, code: int = 2) -> CliError:
+    """Print `otbrl: message` (one line) to stderr and return the exception that exits with `code`."""
+    text = message if message.startswith("otbrl") else f"otbrl: {message}"
+    print(text, file=sys.stderr)
+    return CliError(text, code)
+
+
+def _show_warnings() -> None:
+    """otbrl's warnings (a reward function's first failure) on stderr, whatever the libraries did to
+    logging; left alone when the root logger already has a handler (pytest, an application's own)."""
+    import logging
+
+    root, ours = logging.getLogger(), logging.getLogger("otbrl")
+    if not root.handlers and not ours.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        ours.addHandler(handler)
+
+
+def parse_overrides(items: list[str], raw: bool = False) -> dict:
+    """["--learning_rate", "1e-4", "--estimator-options", '{"leave_one_out": true}'] -> a dict of values
+    read as YAML 1.2 (or, with `raw`, the strings as given: load_recipe reads them as their fields'
+    types)."""
     out, i = {}, 0
     while i < len(items):
         key = items[i]
         if not key.startswith("--") or len(key) < 3:
-            raise SystemExit(f"otbrl: expected --key value, got {key!r}")
+            raise fail(f"expected --key value, got {key!r}")
         name, eq, value = key[2:].partition("=")
         if not eq:
             if i + 1 >= len(items):
-                raise SystemExit(f"otbrl: {key} needs a value")
+                raise fail(f"{key} needs a value")
             value, i = items[i + 1], i + 1
-        out[name.replace("-", "_")] = parse_value(value)
+        out[name.replace("-", "_")] = value if raw else parse_value(value)
         i += 1
     return out
 
@@ -65,7 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     comp.add_argument("--runs-dir", type=Path, help="where runs go (default runs/compare[-quick]/NAME)")
     comp.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
     claims = sub.add_parser("claims", help="write claims.md from the studies' results (verdicts by rule)")
-    claims.add_argument("--results", type=Path, default=Path("docs/results"))
+    claims.add_argument(
+        "--results", type=Path, default=Path("docs/results"), help="where the studies wrote their JSON"
+    )
     from otbrl.app.studies import variance
 
     variance.add_arguments(
@@ -75,6 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "claims":
         from otbrl.app.studies.claims import write_claims
 
+        if not any((args.results / f"{name}.json").is_file() for name in STUDIES):
+            raise fail(
+                f"nothing to summarise: no study results ({', '.join(n + '.json' for n in STUDIES)}) in "
+                f"{args.results}; run `otbrl variance` or `otbrl compare EXPERIMENT` first, or pass "
+                "--results DIR (after `otbrl compare efficiency --quick`: runs/compare-quick/results)"
+            )
         print(f"wrote {write_claims(args.results)}")
         return
     if args.command == "recipes":
@@ -92,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                 results=args.results,
             )
         except ValueError as err:
-            raise SystemExit(f"otbrl: {err}") from None
+            raise fail(str(err)) from None
         print(f"\nwrote {page} (+ .png, .json)")
         if failures:
             raise SystemExit("otbrl compare: failed runs:\n" + "\n".join(failures))
@@ -100,20 +143,28 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "variance":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.out is None and args.quick:  # a smoke run's pages go under the current directory
+            args.out = Path("runs/variance-quick")
         try:
             variance.main(args)
         except ValueError as err:
-            raise SystemExit(f"otbrl: {err}") from None
+            raise fail(str(err)) from None
         return
+    from otbrl.integrations.trl.rewards import RewardFailure
+
+    _show_warnings()
     try:
-        recipe = load_recipe("demo" if args.command == "demo" else args.config, parse_overrides(rest))
+        recipe = load_recipe(
+            "demo" if args.command == "demo" else args.config, parse_overrides(rest, raw=True)
+        )
         summary = run(recipe, resume=args.resume)
     except ValueError as err:  # bad recipe or input: one clear line, no traceback
-        raise SystemExit(f"otbrl: {err}") from None
+        raise fail(str(err)) from None
+    except RewardFailure as err:  # the reward function's own exception text, not a traceback
+        raise fail(f"run stopped: {err}", code=1) from None
     print()
     print(summary_table(summary))
-    files = "summary.md, summary.json, metrics.jsonl" + (", curves.png" if recipe["plot"] else "")
-    print(f"\nwrote to {recipe['output_dir']}: {files}, TensorBoard, checkpoints")
+    print(f"\nwrote to {recipe['output_dir']}: {', '.join(written(Path(recipe['output_dir'])))}")
 
 
 if __name__ == "__main__":
