@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -202,7 +201,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Config()
     parser.add_argument("--quick", action="store_true", help="a <= 2 minute smoke run (N=4,8, small K)")
     parser.add_argument(
-        "--out", type=Path, help="output folder (default docs/results, or a temp dir with --quick)"
+        "--out", type=Path, help="output folder (default docs/results, or runs/variance-quick with --quick)"
     )
     parser.add_argument("--task", default=d.task, help=f"built-in task (default {d.task})")
     parser.add_argument("--preset", default=d.preset, help=f"model preset (default {d.preset})")
@@ -238,7 +237,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 def main(args: argparse.Namespace) -> Path:
     """Run the study and write variance.md, variance.json and variance.png; returns the markdown path."""
     cfg = config_from_args(args)
-    out = args.out or (Path(tempfile.gettempdir()) / "otbrl-variance" if cfg.quick else Path("docs/results"))
+    out = args.out or (Path("runs/variance-quick") if cfg.quick else Path("docs/results"))
     res = run_study(cfg)
     text = report(res, GROUP_MEAN, REFERENCE_GROUP_SIZE)
     out.mkdir(parents=True, exist_ok=True)
