@@ -8,7 +8,9 @@ import json
 import pytest
 
 from otbrl.app.cli import main, parse_overrides
-from otbrl.app.train import load_recipe, load_rows, recipe_names, run
+from otbrl.app.recipe import load_recipe, recipe_names
+from otbrl.app.sources import load_rows
+from otbrl.app.train import run
 
 FAST = {
     "model": "random:tiny",

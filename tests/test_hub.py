@@ -130,7 +130,8 @@ def test_offline_names_missing_from_the_cache_fail_in_one_line(tmp_path, hub_hom
 
 
 def test_chat_prompts_carry_the_system_prompt_and_render_for_evaluation():
-    from otbrl.app.train import load_recipe, make_config, shape_prompts
+    from otbrl.app.recipe import load_recipe, make_config
+    from otbrl.app.sources import shape_prompts
     from otbrl.tasks import char_tokenizer
 
     tokenizer = char_tokenizer()

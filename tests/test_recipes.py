@@ -9,9 +9,10 @@ import pytest
 
 pytest.importorskip("otbrl.integrations.trl")
 
+from otbrl.app import recipe as recipes  # noqa: E402
 from otbrl.app import train  # noqa: E402
 from otbrl.app.cli import main  # noqa: E402
-from otbrl.app.train import coerce, load_recipe, parse_value, read_yaml, recipe_names  # noqa: E402
+from otbrl.app.recipe import coerce, load_recipe, parse_value, read_yaml, recipe_names  # noqa: E402
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_recipe_file_values_arrive_typed(tmp_path, no_model):
     path.write_text("task: running_sum16\nmodel: random:tiny\nsave_strategy: no\nlearning_rate: 1e-4\n")
     recipe = load_recipe(str(path))
     assert recipe["save_strategy"] == "no" and recipe["learning_rate"] == 1e-4
-    assert train.make_config(recipe).learning_rate == 1e-4
+    assert recipes.make_config(recipe).learning_rate == 1e-4
 
 
 @pytest.mark.parametrize(
@@ -134,6 +135,6 @@ def test_gsm8k_recipe_is_the_papers_setting():
     prompts = [r["per_device_train_batch_size"] * r["gradient_accumulation_steps"] // r["num_generations"]
                for r in (recipe, grpo)]  # fmt: skip
     assert prompts == [16, 16]
-    header = (train.RECIPES / "gsm8k-qwen2.5-0.5b.yaml").read_text()
+    header = (recipes.RECIPES / "gsm8k-qwen2.5-0.5b.yaml").read_text()
     command = "--advantage_estimator grpo --num_generations 32 \\\n#       --gradient_accumulation_steps 32"
     assert command in header

@@ -29,7 +29,7 @@ def test_exact_numeric_and_math_rewards():
 
 
 def test_local_model_directory_loads(tmp_path):
-    from otbrl.app.train import load_model
+    from otbrl.app.sources import load_model
     from otbrl.tasks import char_tokenizer, tiny_model
 
     model, tokenizer = tiny_model("tiny", seed=3), char_tokenizer()

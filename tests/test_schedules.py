@@ -421,7 +421,7 @@ def test_trl_config_checks_length_decay_options(tmp_path):
 def test_recipes_take_the_length_decay_keys():
     pytest.importorskip("yaml")
     pytest.importorskip("otbrl.integrations.trl")
-    from otbrl.app.train import load_recipe, recipe_names
+    from otbrl.app.recipe import load_recipe, recipe_names
 
     recipe = load_recipe("demo", {"length_decay": True, "length_decay_factor": 0.7})
     assert recipe["length_decay"] is True and recipe["length_decay_factor"] == 0.7

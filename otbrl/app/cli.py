@@ -17,8 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from otbrl.app.recipe import load_recipe, parse_value, recipe_names
 from otbrl.app.studies.compare import compare, experiment_names
-from otbrl.app.train import load_recipe, parse_value, recipe_names, run, summary_table, written
+from otbrl.app.train import run, summary_table, written
 
 STUDIES = ("variance", "efficiency", "efficiency48", "stress", "tir")  # the JSON results claims reads
 

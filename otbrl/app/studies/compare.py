@@ -65,7 +65,7 @@ def events(result: dict[str, Any]) -> str:
 def report(exp: Experiment, result: dict[str, Any], results: Path, command: str, seconds: float,
            failures: list[str]) -> Path:  # fmt: skip
     """Write `<results>/<name>.md` (+ .png and a .json of the per-arm numbers)."""
-    from otbrl.app.train import load_recipe
+    from otbrl.app.recipe import load_recipe
 
     results.mkdir(parents=True, exist_ok=True)
     run_minutes = sum(r["train_seconds"] for runs in result["runs"].values() for r in runs) / 60

@@ -131,7 +131,7 @@ def load_experiment(spec: str, quick: bool = False) -> Experiment:
 
 def plan(exp: Experiment, out: Path) -> list[Run]:
     """One Run per (arm, seed), with the overrides that make it (recipe keys, as `otbrl train` takes)."""
-    from otbrl.app.train import load_recipe
+    from otbrl.app.recipe import load_recipe
 
     runs = []
     for arm, arm_overrides in exp.arms.items():

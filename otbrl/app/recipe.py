@@ -1,0 +1,351 @@
+"""Recipes: a YAML mapping of otbrl keys (task or dataset, model, reward, warm start) and `OTBGRPOConfig`
+fields, checked before anything heavy happens. Every value is read as its field's type (the types
+HfArgumentParser derives from the dataclasses, so a recipe file and the command line agree), then ranges
+and cross-field rules; each problem is one ValueError naming the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import enum
+import functools
+import inspect
+import math
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+RECIPES = Path(__file__).resolve().parent / "recipes"
+
+
+@dataclasses.dataclass
+class RecipeKeys:
+    """otbrl's own recipe keys; every other key must be an OTBGRPOConfig field."""
+
+    task: str | None = None  # a built-in task (otbrl.tasks.TASKS) ...
+    # ... or a dataset with prompt and answer columns: a JSONL/JSON/CSV/Parquet file, a
+    # datasets.save_to_disk directory, or a Hugging Face Hub dataset name (ORG/NAME)
+    dataset: str | None = None
+    dataset_config: str | None = None  # the hub dataset's configuration (e.g. gsm8k's "main")
+    dataset_split: str = "train"
+    dataset_revision: str | None = None
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+    # Chat prompts (lists of {"role", "content"} messages through the tokenizer's chat template).
+    # None: chat when the tokenizer has a chat template (instruct models), plain text otherwise.
+    chat: bool | None = None
+    system_prompt: str | None = None  # the system message of chat prompts
+    # warm:<preset> (cached supervised warm start), random:<preset>, a local model directory, or a Hub
+    # model id (ORG/NAME, downloaded on a connected machine; from the cache under HF_HUB_OFFLINE=1)
+    model: str = "warm:small"
+    model_revision: str | None = None  # a Hub branch, tag or commit
+    reward: str = "task"  # task (the built-in task's exact reward), exact, numeric or math
+    # The run stops when the reward function fails on every sample of a batch, or on more than this
+    # fraction of all samples scored so far.
+    reward_max_failure_fraction: float = 0.5
+    train_size: int = 4096  # prompts drawn for a built-in task
+    eval_size: int = 128  # held-out prompts scored before and after training
+    warm_start_target: float = 0.3
+    warm_start_seed: int = 0  # the warm start's own seed: runs with different `seed`s start from one model
+    warm_start_seconds: float = 600.0
+    tools: list[str] | None = None  # tool names for multi-turn rollouts (otbrl.rollout); None: the task's
+    max_turns: int | None = None  # tool calls per completion; None: the task's (3 without a task)
+    threads: int | None = None  # torch threads; None keeps torch's default
+    plot: bool = True
+
+
+RECIPE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RecipeKeys)}
+
+# What a CPU run needs that TRL's defaults get wrong (bf16 and gradient checkpointing are on by default).
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "output_dir": "runs/otbrl",
+    "bf16": False,
+    "gradient_checkpointing": False,
+    "logging_steps": 1,
+    "report_to": ["tensorboard"],
+    "save_strategy": "steps",
+    "save_steps": 50,
+    "beta": 0.0,
+    "seed": 0,
+}
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading values. YAML 1.1 (PyYAML's default) reads `no`/`yes`/`on`/`off` as booleans and `1e-4` as a
+# string; recipes follow YAML 1.2 instead: only true/false are booleans and 1e-4 is a float.
+
+_BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2's booleans (true/false only) and floats (exponent without a dot)."""
+
+
+_RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_RecipeLoader.add_implicit_resolver(
+    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_RecipeLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str, what: str = "value") -> Any:
+    """YAML 1.2 scalars (see _RecipeLoader); a syntax error is a one-line ValueError naming `what`."""
+    try:
+        return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 -- a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ValueError(f"{what}: not valid YAML{where}: {' '.join(str(problem).split())}") from None
+
+
+def parse_value(text: str) -> Any:
+    """A command-line override value read as YAML 1.2 (numbers, booleans, lists, JSON-style mappings);
+    text that is not valid YAML stays a string."""
+    try:
+        return read_yaml(text)
+    except ValueError:
+        return text
+
+
+@functools.cache
+def _schema() -> tuple[dict[str, argparse.Action], dict[str, Any], dict[str, Any]]:
+    """(argparse action, type hint, default) of every recipe key, as HfArgumentParser derives them from
+    RecipeKeys and OTBGRPOConfig (the same reading `TrlParser` gives a command line)."""
+    from transformers import HfArgumentParser
+
+    from otbrl.integrations.trl import OTBGRPOConfig
+
+    parser = HfArgumentParser([RecipeKeys, OTBGRPOConfig])
+    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    hints = {**typing.get_type_hints(OTBGRPOConfig), **typing.get_type_hints(RecipeKeys)}
+    defaults = {f.name: f.default for f in dataclasses.fields(OTBGRPOConfig)} | RECIPE_DEFAULTS
+    return actions, hints, defaults
+
+
+def _shapes(hint: Any) -> set[str]:
+    """Which of 'list', 'dict', 'none' a type hint admits besides scalars."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    out = set()
+    for a in args:
+        origin = typing.get_origin(a) or a
+        if a is type(None):
+            out.add("none")
+        elif origin in (list, tuple):
+            out.add("list")
+        elif origin is dict:
+            out.add("dict")
+    return out
+
+
+def _describe(convert: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string"}.get(convert, "true or false")
+
+
+def _scalar(key: str, value: Any, action: argparse.Action) -> Any:
+    """One value read as the field's type, as argparse would read it from the command line."""
+    if isinstance(value, list | dict):
+        raise ValueError(f"{key}: expected a single value, got {value!r}")
+    text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    convert = action.type or str
+    if convert in (int, float) and isinstance(value, bool):
+        raise ValueError(f"{key}: expected {_describe(convert)}, got {value!r}")
+    try:
+        out = convert(text)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        raise ValueError(f"{key}: expected {_describe(convert)}, got {value!r}") from None
+    if action.choices is not None:
+        names = [str(c.value if isinstance(c, enum.Enum) else c) for c in action.choices]
+        if text not in names:
+            raise ValueError(f"{key}: must be one of {', '.join(names)}; got {value!r}")
+    return out.value if isinstance(out, enum.Enum) else out
+
+
+def coerce(key: str, value: Any) -> Any:
+    """`value` (from YAML or a command line) as the type of recipe key `key`: strings stay strings
+    (`no` for save_strategy), numbers are numbers (1e-4), lists and mappings only where the field takes
+    them. A string for a list or mapping field is read as YAML (`[calc]`, `{leave_one_out: true}`)."""
+    actions, hints, defaults = _schema()
+    action, shapes = actions[key], _shapes(hints[key])
+    if value is None or (isinstance(value, str) and value in ("null", "~") and "none" in shapes):
+        if "none" in shapes or defaults.get(key) is None:
+            return None
+        raise ValueError(f"{key}: needs a value (default {defaults.get(key)!r})")
+    if isinstance(value, str) and shapes & {"list", "dict"}:
+        parsed = parse_value(value)
+        value = parsed if isinstance(parsed, list | dict) else value
+    elif isinstance(value, str) and len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+        value = parse_value(value)  # a quoted command-line value: '"Answer: 42"' is the string in quotes
+    if isinstance(value, dict):
+        if "dict" not in shapes:
+            raise ValueError(f"{key}: expected a single value, not a mapping {value!r}")
+        return value
+    if isinstance(value, list | tuple):
+        if "list" not in shapes:
+            raise ValueError(f"{key}: expected a single value, not a list {list(value)!r}")
+        return [_scalar(key, v, action) for v in value]
+    if "list" in shapes and action.nargs in ("+", "*"):
+        return [_scalar(key, value, action)]
+    return _scalar(key, value, action)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading and checking a recipe.
+
+
+def load_recipe(config: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read a recipe file (or a packaged recipe by name), apply overrides, read every value as its
+    field's type and check ranges and cross-field rules (ValueError naming the key)."""
+    path = Path(config)
+    if not path.is_file():
+        path = RECIPES / f"{config}.yaml"
+        if not path.is_file():
+            known = ", ".join(recipe_names())
+            raise ValueError(f"config: no file {config!r} and no packaged recipe of that name ({known})")
+    recipe = read_yaml(path.read_text(), f"config {path}") or {}
+    if not isinstance(recipe, dict):
+        raise ValueError(f"config: {path} must hold a mapping of keys to values")
+    overrides = dict(overrides or {})
+    if overrides.get("dataset") and "task" not in overrides:
+        recipe.pop("task", None)  # a dataset given over a task recipe replaces the task
+    if overrides.get("task") and "dataset" not in overrides:
+        recipe.pop("dataset", None)
+    recipe.update(overrides)
+    _, _, defaults = _schema()
+    known = set(defaults)
+    for key in recipe:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(
+                f"{key}: not a recipe key (otbrl keys: {', '.join(RECIPE_DEFAULTS)}; "
+                f"or any OTBGRPOConfig field){hint}"
+            )
+    full = {**RECIPE_DEFAULTS, **TRAINER_DEFAULTS, **recipe}
+    full = {k: coerce(k, v) for k, v in full.items()}
+    check_recipe(full)
+    return full
+
+
+def _at_least(recipe: dict[str, Any], key: str, low: float, strict: bool = False) -> None:
+    v = recipe.get(key)
+    if v is None:
+        return
+    if not math.isfinite(v) or (v <= low if strict else v < low):
+        raise ValueError(f"{key}: must be {'>' if strict else '>='} {low}, got {v!r}")
+
+
+def check_recipe(recipe: dict[str, Any]) -> Any:
+    """Ranges and cross-field rules of a typed recipe; returns its OTBGRPOConfig. Cheap: no data, no
+    model."""
+    given, recipe = recipe, {**_schema()[2], **recipe}  # dataclass defaults of keys left out
+    positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length",
+                "eval_size", "train_size", "threads", "max_turns", "logging_steps",
+                "num_iterations")  # fmt: skip
+    for key in positive:
+        _at_least(recipe, key, 1)
+    for key in ("learning_rate", "warm_start_target", "beta"):
+        _at_least(recipe, key, 0)
+    for key in ("temperature", "warm_start_seconds", "save_steps"):
+        _at_least(recipe, key, 0, strict=True)
+    _at_least(recipe, "num_generations", 2)  # a group of one has no baseline
+    if recipe["max_steps"] == 0 or recipe["max_steps"] < -1:
+        steps = recipe["max_steps"]
+        raise ValueError(f"max_steps: must be >= 1 (or -1: num_train_epochs decides), got {steps}")
+    fraction = recipe["reward_max_failure_fraction"]
+    if not 0 < fraction <= 1:
+        raise ValueError(f"reward_max_failure_fraction: must be in (0, 1], got {fraction!r}")
+    if recipe.get("generation_batch_size") is None and recipe.get("steps_per_generation") is None:
+        batch = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"]
+        if batch % recipe["num_generations"]:
+            raise ValueError(
+                f"per_device_train_batch_size: per_device_train_batch_size x gradient_accumulation_steps "
+                f"({batch}) must be divisible by num_generations ({recipe['num_generations']})"
+            )
+    if recipe["task"] and recipe["dataset"]:
+        raise ValueError("dataset: give either task or dataset, not both")
+    if recipe["task"]:
+        from otbrl.tasks import get_task
+
+        get_task(recipe["task"])  # unknown names fail here
+    if recipe["reward"] != "task":
+        from otbrl.app.rewards import get_reward
+
+        get_reward(recipe["reward"])
+    elif recipe["dataset"]:
+        raise ValueError("reward: 'task' needs a built-in task; use exact, numeric or math for a dataset")
+    synthetic = str(recipe["model"]).partition(":")[0] in ("warm", "random")
+    if recipe["chat"] and synthetic:
+        raise ValueError("chat: warm:/random: models use a character tokenizer without a chat template")
+    if recipe["chat"] and recipe["tools"]:
+        raise ValueError("chat: tool rollouts take plain-text prompts; set chat: false or drop tools")
+    check_estimator_options(recipe["advantage_estimator"], recipe["estimator_options"])
+    return make_config(given)  # TRL's own checks last: ours name the key and the rule
+
+
+def check_estimator_options(name: str, options: Any) -> None:
+    """Each option's value has the type of the estimator's keyword default: a quoted "false" is not a
+    boolean (it would be truthy)."""
+    import otbrl
+
+    if isinstance(options, str):
+        options = parse_value(options)
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise ValueError(f"estimator_options: expected a mapping ({{leave_one_out: true}}), got {options!r}")
+    spec = otbrl.ESTIMATORS.get(name)
+    if spec is None:
+        return  # OTBGRPOConfig names the unknown estimator
+    params = inspect.signature(spec.fn).parameters
+    for key, value in options.items():
+        default = params[key].default if key in params else None
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int | float):
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        elif isinstance(default, str):
+            ok = isinstance(value, str)
+        else:
+            ok = True
+        if not ok:
+            want = _describe(bool if isinstance(default, bool) else type(default))
+            raise ValueError(f"estimator_options: {key} must be {want} (like {default!r}), got {value!r}")
+
+
+def make_config(recipe: dict[str, Any]) -> Any:
+    """The OTBGRPOConfig of a typed recipe; its own checks become one-line ValueErrors."""
+    from otbrl.integrations.trl import OTBGRPOConfig
+
+    fields = {f.name for f in dataclasses.fields(OTBGRPOConfig)}
+    try:
+        return OTBGRPOConfig(
+            **{k: v for k, v in recipe.items() if k in fields}, use_cpu=not torch.cuda.is_available()
+        )
+    except (ValueError, TypeError, ZeroDivisionError) as err:
+        raise ValueError(" ".join(str(err).split())) from None
