@@ -314,3 +314,35 @@ def test_fsdp2_energy_matches_the_unsharded_model(tmp_path):
             assert record["head_weight_type"] == "DTensor"
             torch.testing.assert_close(record["energy"].double(), record["reference"], rtol=2e-5, atol=1e-7)
             assert isinstance(record["legacy"], str) and "DTensor" in record["legacy"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PEFT LoRA inside the trainer
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_peft_lora_energy_is_the_adapted_models(tmp_path, num_iterations):
+    """A LoRA adapter (non-zero from the start, so that it matters) through TRL's peft_config, with a KL
+    term: TRL's reference pass is the same model with the adapter off, after the old-log-prob pass. The
+    energy must be the adapted policy's, from the old-log-prob pass (2 iterations) or the trainer's own
+    forward (1)."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    args = make_config(
+        tmp_path, max_steps=1, num_iterations=num_iterations, beta=0.04, temperature=TEMPERATURE,
+        max_completion_length=6,
+    )  # fmt: skip
+    trainer = make_trainer(
+        args, model=family_model("qwen2"), cls=EnergyProbe, n_prompts=8, peft_config=config
+    )
+    trainer.train()
+    (record,) = trainer.records
+    assert record["source"] == ("old_logps" if num_iterations == 2 else "forward")
+    reference = record["reference"]
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    with model.disable_adapter():
+        without = full_context_energy(model, record["out"], TEMPERATURE)
+    policy = record["out"]["completion_mask"].bool()
+    assert ((without - reference).abs()[policy] / reference[policy]).max() > 1e-2  # the adapter matters
+    torch.testing.assert_close(record["energy"].double(), reference, rtol=1e-3, atol=1e-5)
