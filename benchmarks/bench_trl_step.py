@@ -14,8 +14,10 @@ A third arm on the generate path, "otb + own forward", forces the separate no-gr
 trainer used before (and still uses when no other pass exists), to show what the shared pass saves.
 
 Arms alternate within each repeat (order reversed every other repeat), every run has the same seed and
-weights; a step's time runs from the Trainer's on_step_begin to on_step_end (generation, scoring, the
-energy, advantages, forward and backward). The first 2 steps are warm-up; the mean of the rest is kept.
+weights, and the learning rate is 0 (every computation of a step runs, the weights stay put), so every arm
+samples the very same completions and only the cost differs. A step runs from the Trainer's on_step_begin
+to on_step_end (generation, scoring, the energy, advantages, forward and backward); the first 2 steps are
+warm-up, the mean of the rest is kept.
 """
 
 from __future__ import annotations
@@ -41,17 +43,20 @@ TASK = get_task("add_reversed")
 
 
 class StepClock(TrainerCallback):
-    """Wall time of each optimizer step."""
+    """CPU time and wall time of each optimizer step. On a shared machine the wall time mostly measures
+    the other jobs; the process's CPU time (one torch thread) is what the step itself costs."""
 
     def __init__(self) -> None:
-        self.times: list[float] = []
-        self._start = 0.0
+        self.cpu: list[float] = []
+        self.wall: list[float] = []
+        self._start = (0.0, 0.0)
 
     def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
-        self._start = time.perf_counter()
+        self._start = (time.process_time(), time.perf_counter())
 
     def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
-        self.times.append(time.perf_counter() - self._start)
+        self.cpu.append(time.process_time() - self._start[0])
+        self.wall.append(time.perf_counter() - self._start[1])
 
 
 class OwnForward(OTBGRPOTrainer):
@@ -81,13 +86,13 @@ def reward(prompts: list, completions: list, answer: list, **_: Any) -> list[flo
     ]
 
 
-def run(arm: str, path: str, layers: int, steps: int) -> tuple[float, str | None]:
-    """Mean step time (s) after 2 warm-up steps, and where the energy came from."""
+def run(arm: str, path: str, layers: int, steps: int) -> tuple[float, float, str | None]:
+    """Mean CPU and wall time per step (s) after 2 warm-up steps, and where the energy came from."""
     estimator = "dr_grpo" if arm == "dr_grpo" else "otb"
     with tempfile.TemporaryDirectory() as out:
         args = OTBGRPOConfig(
             output_dir=out, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to=[],
-            save_strategy="no", logging_strategy="no", max_steps=steps, learning_rate=1e-5,
+            save_strategy="no", logging_strategy="no", max_steps=steps, learning_rate=0.0,
             per_device_train_batch_size=32, num_generations=8, max_completion_length=24,
             num_iterations=2, beta=0.0, seed=0, disable_tqdm=True, advantage_estimator=estimator,
             temperature=1.0,
@@ -100,7 +105,7 @@ def run(arm: str, path: str, layers: int, steps: int) -> tuple[float, str | None
             train_dataset=Dataset.from_list(dataset(TASK, 64, seed=0)), callbacks=[clock], **extra,
         )  # fmt: skip
         trainer.train()
-    return statistics.mean(clock.times[2:]), trainer.energy_source
+    return statistics.mean(clock.cpu[2:]), statistics.mean(clock.wall[2:]), trainer.energy_source
 
 
 def main() -> None:
@@ -111,14 +116,19 @@ def main() -> None:
     params = sum(p.numel() for p in make_model(layers).parameters()) / 1e6
     paths = {"generate": ["dr_grpo", "otb", "otb + own forward"], "rollout_func": ["dr_grpo", "otb"]}
     times: dict[tuple[str, str], list[float]] = {}
+    walls: dict[tuple[str, str], list[float]] = {}
     sources: dict[tuple[str, str], str | None] = {}
     for rep in range(repeats):
         for path, arms in paths.items():
             for arm in arms if rep % 2 == 0 else arms[::-1]:
-                t, source = run(arm, path, layers, steps)
+                t, wall, source = run(arm, path, layers, steps)
                 times.setdefault((path, arm), []).append(t)
+                walls.setdefault((path, arm), []).append(wall)
                 sources[(path, arm)] = source
-                print(f"repeat {rep} {path:12s} {arm:18s} {t:.3f} s/step (energy: {source})", flush=True)
+                print(
+                    f"repeat {rep} {path:12s} {arm:18s} cpu {t:.3f} wall {wall:.3f} s/step ({source})",
+                    flush=True,
+                )
 
     rows, ratios = [], {}
     for path, arms in paths.items():
@@ -129,23 +139,24 @@ def main() -> None:
             ratios[(path, arm)] = ratio
             rows.append([
                 path, arm, sources[(path, arm)] or "none", " / ".join(f"{t:.2f}" for t in times[(path, arm)]),
-                f"{ratio:.3f}x",
+                f"{ratio:.3f}x", " / ".join(f"{t:.2f}" for t in walls[(path, arm)]),
             ])  # fmt: skip
-    table = markdown_table(
-        ["generation", "arm", "energy from", "s/step (each repeat)", "vs dr_grpo (median of repeats)"], rows
-    )
+    header = ["generation", "arm", "energy from", "CPU s/step (each repeat)", "CPU vs dr_grpo (median)"]
+    table = markdown_table([*header, "wall s/step (each repeat)"], rows)
     shared = [ratios[("generate", "otb")], ratios[("rollout_func", "otb")]]
     verdict = (
-        f"OTB step time / dr_grpo step time: {shared[0]:.3f}x with TRL generating (energy from the "
+        f"OTB step CPU time / dr_grpo step CPU time: {shared[0]:.3f}x with TRL generating (energy from the "
         f"old-log-prob pass), {shared[1]:.3f}x with otbrl's sampler (energy from sampling); "
         f"target <= {TARGET}x: "
         f"{'met' if max(shared) <= TARGET else 'NOT met'}. The separate energy forward costs "
-        f"{ratios[('generate', 'otb + own forward')]:.3f}x. Timings on a shared 2-core machine vary by "
-        "about +-5% between runs of the same arm: read differences of a few percent as noise."
+        f"{ratios[('generate', 'otb + own forward')]:.3f}x. Ratios are of the process's CPU time per step "
+        "(one torch thread); the wall times, shown for reference, include waiting for the other jobs on a "
+        "shared machine (see the load average above) and vary far more."
     )
     description = (
         f"Qwen2, {params:.1f}M parameters (hidden 384, {layers} layers, character vocabulary of 52), "
-        f"random init; 32 completions (4 prompts x 8) of up to 24 tokens per step; num_iterations=2 "
+        "random init, learning rate 0 (identical completions in every arm); 32 completions (4 prompts x 8) "
+        "of up to 24 tokens per step; num_iterations=2 "
         f"(TRL computes old log-probs); {steps} steps per run, the first 2 discarded; {repeats} repeats, "
         "arms alternated; torch threads 1."
     )

@@ -283,7 +283,7 @@ def completion_energy(
             hidden, _ = final_hidden(model, ids, attn)
             out.append(head_energy(head, transform, predicting(hidden, n), y, temperature))
     energy = torch.cat(out) if out else torch.zeros(0, n, device=input_ids.device)
-    return energy * attention_mask[:, input_ids.shape[1] - n :].to(energy.dtype)
+    return torch.where(attention_mask[:, input_ids.shape[1] - n :].bool(), energy, 0.0)  # even over NaN
 
 
 @torch.no_grad()

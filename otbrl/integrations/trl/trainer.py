@@ -170,7 +170,7 @@ class OTBGRPOTrainer(GRPOTrainer):
                 out["prompt_ids"], out["prompt_mask"], out["completion_ids"], out["completion_mask"]
             )
             self.energy_source = "forward"
-        return energy * policy
+        return torch.where(policy.bool(), energy, 0.0)  # padding may hold anything, NaN included
 
     def _importance_weights(self, out: dict[str, Any], policy: torch.Tensor) -> torch.Tensor | None:
         """TRL's vLLM importance-sampling ratios as (B, T) per-token weights: per token, or one per
