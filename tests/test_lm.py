@@ -10,11 +10,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
 import otbrl  # noqa: E402
-from otbrl.lm import check_head, completion_energy, head_transform  # noqa: E402
+from otbrl.lm import HeadTransform, check_head, completion_energy, head_energy, head_transform  # noqa: E402
 
 VOCAB = 52  # the character tokenizer's size, so the same models serve the TRL tests
 TEMPERATURE = 0.7
@@ -111,6 +113,34 @@ def test_unrecognised_config_value_is_an_error(value):
     config.logit_scale = value  # e.g. MPT's string setting
     with pytest.raises(ValueError, match="logit_scale.*energy_from_logits"):
         head_transform(config)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    scale=st.floats(0.05, 20.0),
+    softcap=st.one_of(st.none(), st.floats(0.5, 50.0)),
+    temperature=st.floats(0.2, 3.0),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_head_energy_law(scale, softcap, temperature, with_bias, seed):
+    """For any scale, soft-cap and temperature, the energy from hidden states and a linear head equals
+    the energy of softmax(softcap(scale (h W^T + b)) / T), computed token by token in float64."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(8, 11, bias=with_bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(11, 8, generator=g) * 3)
+        if with_bias:
+            head.bias.copy_(torch.randn(11, generator=g))
+    hidden, tokens = torch.randn(2, 5, 8, generator=g), torch.randint(0, 11, (2, 5), generator=g)
+    got = head_energy(head, HeadTransform(scale, softcap), hidden, tokens, temperature)
+    z = hidden.double() @ head.weight.double().T
+    if with_bias:
+        z = z + head.bias.double()
+    z = z * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    torch.testing.assert_close(got.double(), reference_energy(z, tokens, temperature), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
