@@ -259,3 +259,71 @@ def test_sampler_energy_is_the_sampled_distributions(family):
     expected = expected * out.completion_mask
     torch.testing.assert_close(out.energy.double(), expected, rtol=1e-4, atol=1e-6)
     assert (out.energy[out.completion_mask == 0] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-3 (not installed here): the gather protocol against a stand-in
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_zero3_head_is_gathered_for_the_read(monkeypatch):
+    """DeepSpeed is not installed and ZeRO-3 needs its engine, so this checks only the protocol against a
+    stand-in: a partitioned parameter (ds_id, ds_status NOT_AVAILABLE, empty data) is gathered read-only
+    (GatheredParameters(params, modifier_rank=None)) for the read and released after; an available one
+    (a tied head inside the embedding's forward) is not gathered again."""
+    import enum
+    import sys
+    import types
+
+    class ZeroParamStatus(enum.Enum):
+        AVAILABLE = 1
+        NOT_AVAILABLE = 2
+
+    calls: list[tuple[list, object]] = []
+
+    class GatheredParameters:
+        def __init__(self, params: list, modifier_rank: object = "unset") -> None:
+            self.params = params
+            calls.append((params, modifier_rank))
+
+        def __enter__(self) -> None:
+            for p in self.params:
+                p.data, p.ds_status = p.ds_full, ZeroParamStatus.AVAILABLE
+
+        def __exit__(self, *exc: object) -> None:
+            for p in self.params:
+                p.data, p.ds_status = torch.empty(0), ZeroParamStatus.NOT_AVAILABLE
+
+    deepspeed = types.ModuleType("deepspeed")
+    deepspeed.zero = types.SimpleNamespace(GatheredParameters=GatheredParameters)
+    partition = types.ModuleType("deepspeed.runtime.zero.partition_parameters")
+    partition.ZeroParamStatus = ZeroParamStatus
+    for name, module in {
+        "deepspeed": deepspeed, "deepspeed.runtime": types.ModuleType("deepspeed.runtime"),
+        "deepspeed.runtime.zero": types.ModuleType("deepspeed.runtime.zero"),
+        "deepspeed.runtime.zero.partition_parameters": partition,
+    }.items():  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, module)
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=True)
+    full_w, full_b = torch.randn(11, 8, generator=g) * 3, torch.randn(11, generator=g)
+    for p, full in ((head.weight, full_w), (head.bias, full_b)):
+        p.ds_id, p.ds_full, p.ds_status = 1, full, ZeroParamStatus.NOT_AVAILABLE
+        p.data = torch.empty(0)
+    hidden, tokens = torch.randn(6, 8, generator=g), torch.randint(0, 11, (6,), generator=g)
+    got = head_energy(head, HeadTransform(), hidden, tokens, 0.7)
+    z = hidden.double() @ full_w.double().T + full_b.double()
+    torch.testing.assert_close(
+        got.double(), reference_energy(z[None], tokens[None], 0.7)[0], rtol=1e-4, atol=1e-6
+    )
+    assert (
+        len(calls) == 1
+        and calls[0][1] is None
+        and {id(p) for p in calls[0][0]} == {id(head.weight), id(head.bias)}
+    )
+    assert head.weight.numel() == 0  # released after the read
+    for p in (head.weight, head.bias):  # already available: no second gather
+        p.data, p.ds_status = p.ds_full, ZeroParamStatus.AVAILABLE
+    head_energy(head, HeadTransform(), hidden, tokens, 0.7)
+    assert len(calls) == 1
