@@ -110,6 +110,20 @@ def test_two_calls_masks_and_logprobs() -> None:
         assert ids[-1] == TOK.eos_token_id
 
 
+def test_energy_of_model_tokens_only() -> None:
+    """Each model token's energy comes from the logits it was sampled from (scripted: one logit LOGIT,
+    the rest 0, so ||e_y - pi||^2 = (1 - pi_y)^2 + (V - 1) q^2 exactly); tool output has none."""
+    out = rollout(["37*482*91="], {"calc": calc})
+    vocab = len(TOK)
+    p_y = math.exp(LOGIT) / (math.exp(LOGIT) + vocab - 1)
+    q = 1.0 / (math.exp(LOGIT) + vocab - 1)
+    expected = (1 - p_y) ** 2 + (vocab - 1) * q**2
+    energy, mask = out.energy[0], out.model_mask[0]
+    assert len(energy) == len(out.completion_ids[0])
+    assert all(e == 0.0 for e, m in zip(energy, mask, strict=True) if m == 0)
+    assert all(e == pytest.approx(expected, rel=1e-5) for e, m in zip(energy, mask, strict=True) if m == 1)
+
+
 def test_max_turns_leaves_later_calls_as_text() -> None:
     out = rollout(["37*482*91="], {"calc": calc}, max_turns=1)
     assert out.calls == [1]

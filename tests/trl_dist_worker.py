@@ -3,6 +3,11 @@
 As a worker (run from the repository root):
 
     torchrun --standalone --nproc_per_node 2 -m tests.trl_dist_worker OUT_DIR
+    torchrun --standalone --nproc_per_node 2 -m tests.trl_dist_worker --fsdp OUT_DIR
+
+The second form shards tiny models with FSDP2 (`fully_shard`, gloo on the CPU: DTensor weights, the root's
+hooks needed for embeddings and head) and saves, per family, otbrl.lm's energy next to the energy from
+the unsharded model's own logits (`fsdp_<family>_rank<r>.pt`).
 
 each rank trains two short OTB runs whose prompt groups span both ranks and saves, per scoring step,
 what it saw (local mask, local energy, the gathered per-function rewards, its local advantages) to
@@ -176,7 +181,65 @@ def main(out_dir: str) -> list[OTBGRPOTrainer]:
     return trainers
 
 
+def _legacy_energy(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor) -> Any:
+    """The trainer's energy pass before otbrl.lm (the decoder called directly, head.weight read as is):
+    its energy, or the error it raises, on a freshly sharded model."""
+    import otbrl
+
+    try:
+        with torch.no_grad():
+            hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state
+            return otbrl.fused_token_stats(hidden[:, -6:-1], model.lm_head.weight, ids[:, -5:], 0.7).energy
+    except Exception as err:  # noqa: BLE001 -- what it raises is the record
+        return f"{type(err).__name__}: {err}"[:300]
+
+
+def fsdp_main(out_dir: str) -> None:
+    """Each rank: the same seeded model, its reference energy before sharding (float64, from the model's
+    own logits), then FSDP2 over both ranks and otbrl.lm.completion_energy on this rank's rows, called
+    before any other forward (so nothing of the root is unsharded yet)."""
+    import faulthandler
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from otbrl.lm import check_head, completion_energy
+    from tests.test_lm import family_model, model_reference
+
+    faulthandler.dump_traceback_later(90, exit=True)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for family in ("qwen2", "gemma2"):  # the fused path (full_tensor of the head) and the tiled, capped one
+        model = family_model(family)
+        g = torch.Generator().manual_seed(100 + rank)  # each rank scores its own rows
+        ids = torch.randint(3, model.config.vocab_size, (3, 12), generator=g)
+        attention = torch.ones_like(ids)
+        attention[0, :2] = 0
+        reference = model_reference(model, ids, attention, 5, 0.7)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        sharded = type(model.lm_head.weight).__name__
+        legacy = _legacy_energy(model, ids, attention)
+        energy = completion_energy(model, ids, attention, 5, 0.7)
+        check_head(model)
+        torch.save(
+            {"energy": energy, "reference": reference, "head_weight_type": sharded, "legacy": legacy},
+            Path(out_dir) / f"fsdp_{family}_rank{rank}.pt",
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--fsdp":
+        fsdp_main(sys.argv[2])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     trainers = main(sys.argv[1])
     # Every file is written. Free nothing and skip the interpreter's teardown: about one run in ten hung
     # while main()'s trainers were freed after destroy_process_group (gloo on the CPU).

@@ -85,8 +85,9 @@ class _CallCloser:
 @dataclass
 class ToolRollouts:
     """B rollouts as lists (rows differ in length). Completion = everything after the prompt: model
-    tokens and tool output. `model_mask` is 1 on model tokens, 0 on tool output; `logprobs` are 0 on
-    tool output. `calls` counts executed tool calls per row; `texts` are decoded completions."""
+    tokens and tool output. `model_mask` is 1 on model tokens, 0 on tool output; `logprobs` and `energy`
+    (each model token's, from the logits it was sampled from, with all earlier tool output in context) are
+    0 on tool output. `calls` counts executed tool calls per row; `texts` are decoded completions."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
@@ -94,6 +95,7 @@ class ToolRollouts:
     logprobs: list[list[float]]
     calls: list[int]
     texts: list[str]
+    energy: list[list[float]]
 
 
 @torch.no_grad()
@@ -123,6 +125,7 @@ def sample_with_tools(
     completion: list[list[int]] = [[] for _ in range(rows)]
     mask: list[list[int]] = [[] for _ in range(rows)]
     logps: list[list[float]] = [[] for _ in range(rows)]
+    energy: list[list[float]] = [[] for _ in range(rows)]
     calls, running = [0] * rows, list(range(rows))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         while running:
@@ -133,7 +136,7 @@ def sample_with_tools(
             budget = torch.tensor([max_new_tokens - len(completion[r]) for r in running], device=device)
             can_call = torch.tensor([calls[r] < max_turns for r in running], device=device)
             stop = _CallCloser(vocab["("], vocab[")"], can_call)
-            new, new_mask, new_logp, why = decode(
+            new, new_mask, new_logp, why, new_energy = decode(
                 model, ids, attn, budget, temperature, eos_id, pad_id, generator=generator, stop=stop
             )
             pending = []
@@ -142,6 +145,7 @@ def sample_with_tools(
                 completion[r] += new[j, :n].tolist()
                 mask[r] += [1] * n
                 logps[r] += new_logp[j, :n].tolist()
+                energy[r] += new_energy[j, :n].tolist()
                 if int(why[j]) == 2:  # paused at a closed call: is it a tool call?
                     text = tokenizer.decode(completion[r], skip_special_tokens=True)
                     call = find_call(text, tools)
@@ -157,10 +161,11 @@ def sample_with_tools(
                     completion[r] += out
                     mask[r] += [0] * len(out)
                     logps[r] += [0.0] * len(out)
+                    energy[r] += [0.0] * len(out)
                 if max_new_tokens - len(completion[r]) > 0:
                     running.append(r)
     texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
-    return ToolRollouts(prompt_ids, completion, mask, logps, calls, texts)
+    return ToolRollouts(prompt_ids, completion, mask, logps, calls, texts, energy)
 
 
 def sample_texts(

@@ -1,15 +1,19 @@
 """Batched sampling from a causal LM with a hand-written KV-cache loop that also returns the log-probs
-of the sampled tokens: the rollouts an RL step needs, with the layout TRL uses (each prompt's samples
-are consecutive rows).
+and the energy of the sampled tokens, both from the logits each token was sampled from: the rollouts an
+RL step needs, with the layout TRL uses (each prompt's samples are consecutive rows), and no second
+forward to score them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from otbrl.energy import token_energy
 
 
 @dataclass
@@ -24,6 +28,8 @@ class Samples:
     logprobs        (B, T) float32, log pi(token) at the sampling temperature; 0 where the mask is 0
     group_ids       (B,)   long, index of the prompt each row came from
     texts           B decoded completions without special tokens
+    energy          (B, T) float32, ||e_y - pi||^2 of each sampled token under the distribution it was
+                    sampled from (the model's logits at the sampling temperature); 0 where the mask is 0
     """
 
     prompt_ids: torch.Tensor
@@ -33,6 +39,19 @@ class Samples:
     logprobs: torch.Tensor
     group_ids: torch.Tensor
     texts: list[str]
+    energy: torch.Tensor | None = None
+
+
+class Decoded(NamedTuple):
+    """What `decode` returns: completion_ids (B, T) padded with pad, completion_mask (B, T), logprobs
+    (B, T), reason (B,) why each row ended (0 eos, 1 budget, 2 stop) and energy (B, T); logprobs and
+    energy are float32 and 0 where the mask is 0."""
+
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    logprobs: torch.Tensor
+    reason: torch.Tensor
+    energy: torch.Tensor
 
 
 @torch.no_grad()
@@ -46,8 +65,9 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> Samples:
     """Sample `num_samples` completions of each prompt, at most `max_new_tokens` tokens each (eos
-    included). `temperature == 0` decodes greedily and reports log-probs at temperature 1. Rows stop at
-    eos; the loop ends when every row has. `generator` (on the model's device) makes it reproducible."""
+    included). `temperature == 0` decodes greedily and reports log-probs and energy at temperature 1.
+    Rows stop at eos; the loop ends when every row has. `generator` (on the model's device) makes it
+    reproducible."""
     if num_samples < 1 or max_new_tokens < 1:
         raise ValueError("num_samples and max_new_tokens must be >= 1")
     if temperature < 0:
@@ -57,18 +77,19 @@ def sample(
     prompt_ids = enc["input_ids"].to(device).repeat_interleave(num_samples, dim=0)  # (B, P)
     prompt_mask = enc["attention_mask"].to(device).repeat_interleave(num_samples, dim=0)  # (B, P)
     group_ids = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)  # (B,)
-    completion_ids, completion_mask, logprobs, _ = decode(
+    out = decode(
         model, prompt_ids, prompt_mask, max_new_tokens, temperature, tokenizer.eos_token_id,
         tokenizer.pad_token_id, generator=generator,
     )  # fmt: skip
     return Samples(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        logprobs=logprobs,
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        logprobs=out.logprobs,
         group_ids=group_ids,
-        texts=tokenizer.batch_decode(completion_ids.tolist(), skip_special_tokens=True),
+        texts=tokenizer.batch_decode(out.completion_ids.tolist(), skip_special_tokens=True),
+        energy=out.energy,
     )
 
 
@@ -83,11 +104,12 @@ def decode(
     pad_id: int,
     generator: torch.Generator | None = None,
     stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Decoded:
     """The KV-cache sampling loop on left-padded ids (B, P). A row ends at eos, after its own budget
     (`max_new_tokens`, an int or a (B,) tensor), or when `stop(tokens (B,)) -> (B,) bool` says so (called
-    once per step with the tokens just sampled; it may keep state). Returns completion_ids (B, T) padded
-    with pad, mask (B, T), log-probs (B, T) and why each row ended (B,): 0 eos, 1 budget, 2 stop."""
+    once per step with the tokens just sampled; it may keep state). Returns a `Decoded`: the tokens, their
+    mask, and each token's log-prob and energy from the very logits it was sampled from (the model's own,
+    so any soft-capping or logit scale is in them), at `temperature` (1 when decoding greedily)."""
     device = prompt_ids.device
     batch = prompt_ids.shape[0]
     budget = torch.as_tensor(max_new_tokens, device=device).expand(batch)
@@ -104,7 +126,7 @@ def decode(
     )
     next_pos = positions[:, -1:] + 1  # (B, 1)
 
-    tokens, logps, masks = [], [], []
+    tokens, logps, masks, energies = [], [], [], []
     done = budget <= 0
     reason = torch.ones(batch, dtype=torch.long, device=device)
     for step in range(int(budget.max().item()) if batch else 0):
@@ -118,6 +140,7 @@ def decode(
         tok = torch.where(live, tok, pad_id)
         tokens.append(tok)
         logps.append(torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0))
+        energies.append(torch.where(live, token_energy(logits, tok, temperature or 1.0), 0.0))
         masks.append(live.long())
         ended_eos = live & (tok == eos_id)
         ended_stop = live & ~ended_eos & stop(tok) if stop is not None else torch.zeros_like(live)
@@ -137,5 +160,7 @@ def decode(
 
     if not tokens:
         empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        return empty, empty, empty.float(), reason
-    return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logps, 1), reason
+        return Decoded(empty, empty, empty.float(), reason, empty.float())
+    return Decoded(
+        torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logps, 1), reason, torch.stack(energies, 1)
+    )

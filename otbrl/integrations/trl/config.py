@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -24,6 +25,13 @@ class OTBGRPOConfig(GRPOConfig):
     )
     estimator_options: dict | str | None = field(
         default=None, metadata={"help": 'options of the estimator, e.g. {"leave_one_out": true}'}
+    )
+    energy_from_logits: bool = field(
+        default=False,
+        metadata={
+            "help": "energy from the model's own logits (tiled over rows), for an output head otbrl does "
+            "not recognise; otherwise from the sampler, TRL's old-log-prob pass, or hidden states"
+        },
     )
     surge_factor: float = field(
         default=3.0, metadata={"help": "grad-norm surge: factor over the running median"}
@@ -63,10 +71,35 @@ class OTBGRPOConfig(GRPOConfig):
             if text.startswith("estimator: "):
                 raise ValueError("advantage_estimator: " + text.removeprefix("estimator: ")) from None
             raise ValueError(f"estimator_options: {text}") from None
+        if "is_weights" in self.estimator_options:
+            raise ValueError(
+                "estimator_options: is_weights are per-token data of each batch, not an option: with vLLM "
+                "generation, TRL's importance-sampling ratios reach the estimator by themselves"
+            )
+        self._check_trl_options()
         try:  # checked even when off, so that a bad value does not wait for the day it is switched on
             LengthSurgeDecay(**self.length_decay_options())
         except ValueError as err:
             raise ValueError(f"length_decay_{err}") from None  # LengthSurgeDecay names the argument first
+
+    def _check_trl_options(self) -> None:
+        """GRPOConfig options that shape TRL's own sequence-level advantages, which a (B, T) estimator
+        replaces: one that would change what is trained raises, one that merely does nothing warns."""
+        if self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                f"multi_objective_aggregation: {self.multi_objective_aggregation!r} normalises each reward "
+                "function within its group before summing, which OTBGRPOTrainer does not do (the estimator "
+                "receives the reward_weights-weighted sum of raw rewards); normalise inside a reward "
+                "function instead, or leave the default 'sum_then_normalize'"
+            )
+        if self.scale_rewards != "group":  # the default is not a choice; anything else is
+            warnings.warn(
+                f"scale_rewards={self.scale_rewards!r} has no effect in OTBGRPOTrainer: the advantage "
+                f"estimator ({self.advantage_estimator!r}) decides any scaling (grpo divides by the group "
+                "std; otb, dr_grpo, rloo do not)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def length_decay_options(self) -> dict[str, Any]:
         """The length_decay_* fields as LengthSurgeDecay's keyword arguments."""

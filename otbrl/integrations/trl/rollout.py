@@ -1,6 +1,7 @@
 """A TRL `rollout_func` that samples with tool calls between turns (`otbrl.rollout.sample_with_tools`):
 it returns TRL's rollout dict with `env_mask`, which TRL turns into the `tool_mask` that the trainer and
-OTB's generated-token alignment use."""
+OTB's generated-token alignment use, and `otb_energy`, each model token's energy from the logits it was
+sampled from, which OTBGRPOTrainer takes instead of scoring the completions again."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from otbrl.rollout.multiturn import Tool, resolve_tools, sample_with_tools
+
+ENERGY_FIELD = "otb_energy"  # per row, one energy per completion token (0 on tool output)
 
 
 def rollout_func(
@@ -38,6 +41,7 @@ def rollout_func(
             "logprobs": out.logprobs,
             "env_mask": out.model_mask,
             "tool_calls": out.calls,
+            ENERGY_FIELD: out.energy,
         }
 
     return rollout

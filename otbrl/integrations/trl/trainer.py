@@ -1,26 +1,65 @@
 """`OTBGRPOTrainer`: TRL's GRPOTrainer whose loss receives (B, T) advantages from any otbrl estimator.
 
-After TRL generates and scores a batch, the trainer computes each completion token's energy in a no-grad
-pass (final hidden states through `otbrl.fused_token_stats`, never the full logits), gathers what the
-estimator needs from every process (a prompt's group may span ranks), and hands TRL's loss (B, T)
-advantages from `otbrl.compute_advantages`. Every registered estimator runs through the same path, so
-GRPO, RLOO, OPO and OTB runs differ only in `advantage_estimator`.
+After TRL generates and scores a batch, the trainer takes each completion token's energy from a pass that
+already happened, gathers what the estimator needs from every process (a prompt's group may span ranks),
+and hands TRL's loss (B, T) advantages from `otbrl.compute_advantages`. Every registered estimator runs
+through the same path, so GRPO, RLOO, OPO and OTB runs differ only in `advantage_estimator`.
+
+Where the energy comes from (`energy_source`), first that applies:
+  "sampler"    otbrl's sampler generated (`otbrl.integrations.trl.rollout_func`): each token's energy
+               from the logits it was sampled from, handed over in the rollout's `otb_energy` field.
+  "old_logps"  TRL computes old log-probs (num_iterations > 1, steps_per_generation not dividing
+               gradient_accumulation_steps, or vLLM importance-sampling correction): its fused head also
+               returns log sum pi^2 in that same forward, at the sampling temperature with the model's
+               logit scale and soft-capping; energy = otbrl.token_energy_from_logprobs.
+  "forward"    otherwise one no-grad forward (`otbrl.lm.completion_energy`), tool output visible.
+With vLLM importance-sampling correction, TRL's ratios reach OTB as `is_weights`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
+from trl.trainer.utils import add_fused_lm_head
 
 import otbrl
 from otbrl.integrations.trl.callbacks import LengthDecayCallback, SurgeCallback
 from otbrl.integrations.trl.config import OTBGRPOConfig
 from otbrl.integrations.trl.rewards import GuardedReward
-from otbrl.lm import predicting
+from otbrl.integrations.trl.rollout import ENERGY_FIELD
+from otbrl.lm import base_model, check_head, completion_energy
 from otbrl.stability import batch_diagnostics
+
+
+class _Tap:
+    """Where the patched forward drops log sum pi^2 while a pass is tapped (`sink` is a list then)."""
+
+    sink: list[torch.Tensor] | None = None
+
+
+def _tap_log_sum_sq(model: Any, temperature: float, cast_lm_head_to_fp32: bool, tap: _Tap) -> None:
+    """Give `model` (the one TRL patched with its fused head) a second fused head that also returns
+    log sum pi^2, used only while `tap.sink` is a list: the training forward keeps TRL's own head."""
+    trl_forward = model.forward
+    add_fused_lm_head(
+        model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+        outputs=("log_probs", "entropy", "log_sum_sq_probs"),
+    )  # fmt: skip
+    with_sq = model.forward
+
+    @functools.wraps(trl_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if tap.sink is None or not kwargs.get("fused_lm_head"):
+            return trl_forward(*args, **kwargs)
+        out = with_sq(*args, **kwargs)
+        tap.sink.append(out.log_sum_sq_probs)
+        return out
+
+    model.forward = forward
 
 
 class OTBGRPOTrainer(GRPOTrainer):
@@ -41,57 +80,133 @@ class OTBGRPOTrainer(GRPOTrainer):
         self._failures_seen, self._failures_total = 0, 0.0
         self.last_advantages: torch.Tensor | None = None  # (B_local, T_local) of the latest batch
         self.last_energy: torch.Tensor | None = None  # (B_local, T_local) w_t of the latest batch
+        self.energy_source: str | None = None  # "sampler", "old_logps" or "forward" (module docstring)
+        self._sampled_energy: list[list[float]] | None = None
+        self._tap, self._tap_armed, self._tapped = _Tap(), False, None
+        self._head_checked = False
+        self._spec = otbrl.ESTIMATORS[self.args.advantage_estimator]
+        if self._spec.needs_energy and not self.args.energy_from_logits:
+            # the same model TRL gave its fused head, with the same temperature and head precision
+            _tap_log_sum_sq(
+                base_model(self.model), self.temperature, self.args.cast_lm_head_to_fp32, self._tap
+            )
 
     # TRL computes and gathers per-function rewards but does not return them from the scoring step.
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # noqa: ANN001, ANN202
         self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         return self._rewards_per_func
 
+    # otbrl's rollout_func hands over the sampled tokens' energy; keep it out of the reward functions' inputs.
+    def _generate(self, prompts: list):  # noqa: ANN202
+        result = list(super()._generate(prompts))
+        extra = result[5]
+        self._sampled_energy = extra.pop(ENERGY_FIELD, None) if isinstance(extra, dict) else None
+        return tuple(result)
+
+    def _old_logps_pass_runs(self) -> bool:
+        """Whether TRL computes old log-probs in _generate_and_score_completions (trl 1.16's condition)."""
+        every = self.args.steps_per_generation * self.num_iterations
+        vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
+        return self.args.gradient_accumulation_steps % every != 0 or bool(vllm_is)
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        # The first no-grad pass of the policy in a scoring step is the old-log-prob pass (TRL runs it
+        # before the reference pass); tap it only when it runs at all, so a PEFT reference pass (the same
+        # model with its adapter off) is never mistaken for it.
+        if not (self._tap_armed and not torch.is_grad_enabled() and model is self.model):
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        self._tap_armed = False
+        if self._sampled_energy is not None:  # the sampler's energy is already there
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        self._tap.sink = []
+        try:
+            result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            self._tapped = torch.cat(self._tap.sink) if self._tap.sink else None
+        finally:
+            self._tap.sink = None
+        return result
+
+    def _check_head_once(self) -> None:
+        """The first time the energy is computed from hidden states and the output head, make sure the
+        logits rebuilt from them are the model's own (otbrl.lm.check_head): never a different distribution."""
+        if not self._head_checked:
+            check_head(self.accelerator.unwrap_model(self.model))
+            self._head_checked = True
+
     @torch.no_grad()
     def token_energy(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:  # noqa: ANN001
-        """(B, T) energy of each completion token at the sampling temperature, from the decoder's final
-        hidden states and the output head (otbrl.fused_token_stats: no (tokens x vocab) logits)."""
+        """(B, T) energy of each completion token at the sampling temperature, in one no-grad forward of
+        the model (`otbrl.lm.completion_energy`), zero where completion_mask is 0. completion_mask is
+        the attention mask of the completion: keep tool output in it (1), so that every token is scored
+        in the context it was sampled in; mask the energy of tool tokens afterwards."""
         model = self.accelerator.unwrap_model(self.model)
-        if hasattr(model, "get_base_model"):  # PEFT
-            model = model.get_base_model()
-        decoder = getattr(model, model.base_model_prefix)
-        head = model.get_output_embeddings()
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention = torch.cat([prompt_mask, completion_mask], dim=1)
-        width = completion_ids.shape[1]
-        rows = self.args.per_device_train_batch_size
-        out = []
-        for r in range(0, ids.shape[0], rows):
-            with self.accelerator.autocast():
-                hidden = decoder(
-                    input_ids=ids[r : r + rows], attention_mask=attention[r : r + rows]
-                ).last_hidden_state
-            stats = otbrl.fused_token_stats(
-                predicting(hidden, width), head.weight, completion_ids[r : r + rows],
-                temperature=self.temperature, bias=getattr(head, "bias", None),
+        with self.accelerator.autocast():
+            return completion_energy(
+                model, ids, attention, completion_ids.shape[1], self.temperature,
+                rows=self.args.per_device_train_batch_size, from_logits=self.args.energy_from_logits,
             )  # fmt: skip
-            out.append(stats.energy)
-        return torch.cat(out) * completion_mask
+
+    def _batch_energy(self, out: dict[str, Any], policy: torch.Tensor) -> torch.Tensor:
+        """(B, T) energy of this rank's batch, zero off policy tokens, from the first source that applies."""
+        rows, width = policy.shape
+        if self._sampled_energy is not None:
+            energy = torch.zeros(rows, width, device=policy.device)
+            for i, values in enumerate(self._sampled_energy):
+                if len(values) > width:
+                    raise ValueError(f"{ENERGY_FIELD}: row {i} has {len(values)} values for {width} tokens")
+                energy[i, : len(values)] = torch.tensor(values, dtype=torch.float32, device=policy.device)
+            self.energy_source = "sampler"
+        elif self._tapped is not None and "old_per_token_logps" in out:
+            self._check_head_once()
+            log_sum_sq = self._tapped[:, -width:].float()
+            energy = otbrl.token_energy_from_logprobs(out["old_per_token_logps"].float(), log_sum_sq.exp())
+            self.energy_source = "old_logps"
+        else:
+            if not self.args.energy_from_logits:
+                self._check_head_once()
+            energy = self.token_energy(
+                out["prompt_ids"], out["prompt_mask"], out["completion_ids"], out["completion_mask"]
+            )
+            self.energy_source = "forward"
+        return torch.where(policy.bool(), energy, 0.0)  # padding may hold anything, NaN included
+
+    def _importance_weights(self, out: dict[str, Any], policy: torch.Tensor) -> torch.Tensor | None:
+        """TRL's vLLM importance-sampling ratios as (B, T) per-token weights: per token, or one per
+        sequence ((B, 1), spread over its tokens), as TRL's loss multiplies them in."""
+        ratio = out.get("importance_sampling_ratio")
+        if ratio is None:
+            return None
+        return (ratio.float().expand(policy.shape) * policy).contiguous()
 
     def _gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """(B_local, T_local) on every rank -> (B_global, T_max), rows in rank order, padded with 0."""
         return self.accelerator.gather(self.accelerator.pad_across_processes(x, dim=1, pad_index=0))
 
     def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
-        out = super()._generate_and_score_completions(inputs)
+        spec = self._spec
+        self._sampled_energy, self._tapped, self.energy_source = None, None, None
+        self._tap_armed = (
+            spec.needs_energy and not self.args.energy_from_logits and self._old_logps_pass_runs()
+        )
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            self._tap_armed = False
         mode = "train" if self.model.training else "eval"
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
         rows, length = mask.shape
-        spec = otbrl.ESTIMATORS[self.args.advantage_estimator]
         options = dict(self.args.estimator_options)
         if "tool_mask" in out and "align" in spec.options:
             options.setdefault("align", "generated")  # tool output shifts positions between trajectories
-        energy = (
-            self.token_energy(out["prompt_ids"], out["prompt_mask"], out["completion_ids"], mask)
-            if spec.needs_energy
-            else torch.zeros(mask.shape, device=mask.device)
-        )
+        zero = torch.zeros(mask.shape, device=mask.device)
+        energy = self._batch_energy(out, mask) if spec.needs_energy else zero
+        self._sampled_energy, self._tapped = None, None
+        weights = self._importance_weights(out, mask) if "is_weights" in spec.options else None
+        if weights is not None:
+            options["is_weights"] = self._gather_rows(weights)
         all_mask = self._gather_rows(mask.int()).bool()
         all_energy = self._gather_rows(energy.float())
         per_func = self._rewards_per_func  # (B_global, functions), gathered by TRL

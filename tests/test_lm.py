@@ -1,0 +1,329 @@
+"""otbrl.lm: the energy of each completion token under the distribution the model samples from, for tiny
+random models of real families whose output heads differ (plain, soft-capped, scaled), with their heads
+sharpened so that the transform matters; the probe that refuses a head otbrl does not know; PEFT adapters;
+the sampler's energies. References are float64 loops over the model's own logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+transformers = pytest.importorskip("transformers")
+
+import otbrl  # noqa: E402
+from otbrl.lm import HeadTransform, check_head, completion_energy, head_energy, head_transform  # noqa: E402
+
+VOCAB = 52  # the character tokenizer's size, so the same models serve the TRL tests
+TEMPERATURE = 0.7
+SHARPEN = 20.0  # head weight multiplier: logits of tens, where capping and scaling change the softmax
+
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"final_logit_softcapping": 5.0, "head_dim": 16}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 8.0}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 4.0}),
+}
+
+
+def family_model(name: str, seed: int = 0, sharpen: float = SHARPEN) -> torch.nn.Module:
+    """A tiny random model of one family, its output head multiplied by `sharpen`, in eval mode."""
+    config_cls, model_cls, extra = FAMILIES[name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    return model.eval()
+
+
+def reference_energy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(B, T, V) logits, (B, T) tokens -> (B, T) float64 ||e_y - softmax(z / T)||^2, one token at a time."""
+    out = torch.zeros(tokens.shape, dtype=torch.float64)
+    for b in range(tokens.shape[0]):
+        for t in range(tokens.shape[1]):
+            z = logits[b, t].double() / temperature
+            p = torch.exp(z - z.max())
+            p = p / p.sum()
+            onehot = torch.zeros_like(p)
+            onehot[int(tokens[b, t])] = 1.0
+            out[b, t] = ((onehot - p) ** 2).sum()
+    return out
+
+
+def model_reference(model, ids: torch.Tensor, attention: torch.Tensor, n: int, temperature: float):  # noqa: ANN001, ANN201
+    """The energy of the last n tokens from the model's own full-sequence logits, float64."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits
+    width = ids.shape[1]
+    return reference_energy(logits[:, width - n - 1 : width - 1], ids[:, width - n :], temperature)
+
+
+def _batch(
+    model, seed: int = 0, rows: int = 3, prompt: int = 8, n: int = 6
+) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """(rows, prompt + n) ids and attention: random prompts (the first left-padded by 3), then n tokens
+    sampled from the model at TEMPERATURE, so that confident and uncertain tokens both occur."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, prompt), generator=g)
+    attention = torch.ones_like(ids)
+    attention[0, :3] = 0
+    ids[0, :3] = 0
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, -1].double()
+        nxt = torch.multinomial(torch.softmax(logits / TEMPERATURE, -1), 1, generator=g)
+        ids, attention = torch.cat([ids, nxt], 1), torch.cat([attention, torch.ones_like(nxt)], 1)
+    return ids, attention
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_head_transforms_read_from_configs():
+    assert head_transform(family_model("qwen2")) == otbrl.lm.HeadTransform(1.0, None)
+    assert head_transform(family_model("gemma2")) == otbrl.lm.HeadTransform(1.0, 5.0)
+    assert head_transform(family_model("granite")) == otbrl.lm.HeadTransform(1 / 8.0, None)
+    assert head_transform(family_model("cohere")) == otbrl.lm.HeadTransform(4.0, None)
+    config = transformers.GraniteConfig(**COMMON, logits_scaling=8.0)
+    config.model_type = "hyperclovax"  # HyperCLOVA X multiplies by logits_scaling
+    assert head_transform(config).scale == 8.0
+    falcon = transformers.Qwen2Config(**COMMON)
+    falcon.lm_head_multiplier = 0.5
+    assert head_transform(falcon).scale == 0.5
+
+
+@pytest.mark.parametrize("value", ["inv_sqrt_d_model", 0.0, -2.0, math.inf])
+def test_unrecognised_config_value_is_an_error(value):
+    config = transformers.Qwen2Config(**COMMON)
+    config.logit_scale = value  # e.g. MPT's string setting
+    with pytest.raises(ValueError, match="logit_scale.*energy_from_logits"):
+        head_transform(config)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    scale=st.floats(0.05, 20.0),
+    softcap=st.one_of(st.none(), st.floats(0.5, 50.0)),
+    temperature=st.floats(0.2, 3.0),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_head_energy_law(scale, softcap, temperature, with_bias, seed):
+    """For any scale, soft-cap and temperature, the energy from hidden states and a linear head equals
+    the energy of softmax(softcap(scale (h W^T + b)) / T), computed token by token in float64."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(8, 11, bias=with_bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(11, 8, generator=g) * 3)
+        if with_bias:
+            head.bias.copy_(torch.randn(11, generator=g))
+    hidden, tokens = torch.randn(2, 5, 8, generator=g), torch.randint(0, 11, (2, 5), generator=g)
+    got = head_energy(head, HeadTransform(scale, softcap), hidden, tokens, temperature)
+    z = hidden.double() @ head.weight.double().T
+    if with_bias:
+        z = z + head.bias.double()
+    z = z * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    torch.testing.assert_close(got.double(), reference_energy(z, tokens, temperature), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_energy_matches_the_models_own_logits(family):
+    model = family_model(family)
+    ids, attention = _batch(model)
+    n = 6
+    expected = model_reference(model, ids, attention, n, TEMPERATURE)
+    got = completion_energy(model, ids, attention, n, TEMPERATURE, rows=2)
+    assert got.dtype == torch.float32 and got.shape == (3, n)
+    torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=1e-7)
+    from_logits = completion_energy(model, ids, attention, n, TEMPERATURE, from_logits=True)
+    torch.testing.assert_close(from_logits.double(), expected, rtol=2e-5, atol=1e-7)
+    check_head(model)  # otbrl's rebuilt logits are the model's: no error
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite", "cohere"])
+def test_plain_head_would_be_a_different_distribution(family):
+    """What ignoring the head transform gives (the trainer's energy before otbrl.lm): far off."""
+    model = family_model(family)
+    ids, attention = _batch(model)
+    expected = model_reference(model, ids, attention, 6, TEMPERATURE)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state
+    plain = otbrl.fused_token_stats(hidden[:, -7:-1], model.lm_head.weight, ids[:, -6:], TEMPERATURE).energy
+    assert ((plain.double() - expected).abs() / expected).max() > 0.5
+
+
+def test_masked_positions_get_zero():
+    model = family_model("qwen2")
+    ids, attention = _batch(model)
+    attention[1, -2:] = 0
+    got = completion_energy(model, ids, attention, 6, TEMPERATURE)
+    assert (got[1, -2:] == 0).all() and (got[1, :-2] > 0).all()
+
+
+class ScaledQwen2(transformers.Qwen2ForCausalLM):
+    """A family otbrl does not know: it multiplies its logits by 3 in its forward, with no config field."""
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 3.0
+        return out
+
+
+def test_unknown_head_is_refused_with_the_way_out():
+    torch.manual_seed(0)
+    model = ScaledQwen2(transformers.Qwen2Config(**COMMON)).eval()
+    with pytest.raises(ValueError, match="ScaledQwen2.*energy_from_logits"):
+        check_head(model)
+    ids, attention = _batch(model)
+    expected = model_reference(model, ids, attention, 5, TEMPERATURE)
+    got = completion_energy(model, ids, attention, 5, TEMPERATURE, from_logits=True)  # the way out works
+    torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=1e-7)
+
+
+def test_bad_arguments():
+    model = family_model("qwen2")
+    ids, attention = _batch(model)
+    with pytest.raises(ValueError, match="attention_mask"):
+        completion_energy(model, ids, attention[:, 1:], 3, 1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        completion_energy(model, ids, attention, 3, 0.0)
+    with pytest.raises(ValueError, match="n: "):
+        completion_energy(model, ids, attention, ids.shape[1], 1.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PEFT
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["q_proj", "lm_head"]])
+def test_peft_lora(targets):
+    """An adapter on attention (the head stays linear: fused path) and one on the output head itself
+    (the head module is called in tiles, so the adapter's delta is in the logits)."""
+    peft = pytest.importorskip("peft")
+    base = family_model("gemma2" if "lm_head" in targets else "qwen2", sharpen=5.0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(base, config).eval()
+    ids, attention = _batch(model, seed=1)
+    expected = model_reference(model, ids, attention, 6, TEMPERATURE)
+    with model.disable_adapter():
+        without = model_reference(model, ids, attention, 6, TEMPERATURE)
+    assert ((without - expected).abs() / expected).max() > 1e-2  # the adapter matters
+    got = completion_energy(model, ids, attention, 6, TEMPERATURE)
+    torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=1e-7)
+    check_head(model)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the sampler's energies: from the very logits each token was sampled from
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "cohere"])
+def test_sampler_energy_is_the_sampled_distributions(family):
+    from otbrl.rollout import sample
+    from otbrl.tasks import char_tokenizer
+
+    model = family_model(family, sharpen=3.0)
+    tok = char_tokenizer()
+    out = sample(
+        model, tok, ["12+34=", "7+8="], 3, 7, TEMPERATURE, generator=torch.Generator().manual_seed(0)
+    )
+    assert out.energy is not None and out.energy.shape == out.completion_ids.shape
+    ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
+    attention = torch.cat([out.prompt_mask, out.completion_mask], dim=1)
+    with torch.no_grad():  # positions as the sampler counts them (left padding)
+        logits = model(
+            input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0)
+        ).logits
+    n = out.completion_ids.shape[1]
+    width = ids.shape[1]
+    expected = reference_energy(logits[:, width - n - 1 : width - 1], out.completion_ids, TEMPERATURE)
+    expected = expected * out.completion_mask
+    torch.testing.assert_close(out.energy.double(), expected, rtol=1e-4, atol=1e-6)
+    assert (out.energy[out.completion_mask == 0] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-3 (not installed here): the gather protocol against a stand-in
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_zero3_head_is_gathered_for_the_read(monkeypatch):
+    """DeepSpeed is not installed and ZeRO-3 needs its engine, so this checks only the protocol against a
+    stand-in: a partitioned parameter (ds_id, ds_status NOT_AVAILABLE, empty data) is gathered read-only
+    (GatheredParameters(params, modifier_rank=None)) for the read and released after; an available one
+    (a tied head inside the embedding's forward) is not gathered again."""
+    import enum
+    import sys
+    import types
+
+    class ZeroParamStatus(enum.Enum):
+        AVAILABLE = 1
+        NOT_AVAILABLE = 2
+
+    calls: list[tuple[list, object]] = []
+
+    class GatheredParameters:
+        def __init__(self, params: list, modifier_rank: object = "unset") -> None:
+            self.params = params
+            calls.append((params, modifier_rank))
+
+        def __enter__(self) -> None:
+            for p in self.params:
+                p.data, p.ds_status = p.ds_full, ZeroParamStatus.AVAILABLE
+
+        def __exit__(self, *exc: object) -> None:
+            for p in self.params:
+                p.data, p.ds_status = torch.empty(0), ZeroParamStatus.NOT_AVAILABLE
+
+    deepspeed = types.ModuleType("deepspeed")
+    deepspeed.zero = types.SimpleNamespace(GatheredParameters=GatheredParameters)
+    partition = types.ModuleType("deepspeed.runtime.zero.partition_parameters")
+    partition.ZeroParamStatus = ZeroParamStatus
+    for name, module in {
+        "deepspeed": deepspeed, "deepspeed.runtime": types.ModuleType("deepspeed.runtime"),
+        "deepspeed.runtime.zero": types.ModuleType("deepspeed.runtime.zero"),
+        "deepspeed.runtime.zero.partition_parameters": partition,
+    }.items():  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, module)
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=True)
+    full_w, full_b = torch.randn(11, 8, generator=g) * 3, torch.randn(11, generator=g)
+    for p, full in ((head.weight, full_w), (head.bias, full_b)):
+        p.ds_id, p.ds_full, p.ds_status = 1, full, ZeroParamStatus.NOT_AVAILABLE
+        p.data = torch.empty(0)
+    hidden, tokens = torch.randn(6, 8, generator=g), torch.randint(0, 11, (6,), generator=g)
+    got = head_energy(head, HeadTransform(), hidden, tokens, 0.7)
+    z = hidden.double() @ full_w.double().T + full_b.double()
+    torch.testing.assert_close(
+        got.double(), reference_energy(z[None], tokens[None], 0.7)[0], rtol=1e-4, atol=1e-6
+    )
+    assert (
+        len(calls) == 1
+        and calls[0][1] is None
+        and {id(p) for p in calls[0][0]} == {id(head.weight), id(head.bias)}
+    )
+    assert head.weight.numel() == 0  # released after the read
+    for p in (head.weight, head.bias):  # already available: no second gather
+        p.data, p.ds_status = p.ds_full, ZeroParamStatus.AVAILABLE
+    head_energy(head, HeadTransform(), hidden, tokens, 0.7)
+    assert len(calls) == 1
