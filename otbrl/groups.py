@@ -115,3 +115,16 @@ def from_frame(framed: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     if framed.shape[-1] == columns.shape[-1]:
         return framed
     return framed.gather(-1, columns.expand((*framed.shape[:-1], columns.shape[-1])))
+
+
+def rows_of(table: torch.Tensor, group: torch.Tensor, n_groups: int, scale: torch.Tensor) -> torch.Tensor:
+    """Each row's line of a per-group table, times `scale`: (G, W), (B,), (B, W) -> (B, W).
+
+    With rows in consecutive, ordered blocks per group (the usual trainer layout) this is one
+    broadcasting multiply, with no (B, W) copy of the table in between.
+    """
+    n = _block_size(group, n_groups)
+    if n and bool((group[::n] == torch.arange(n_groups, device=group.device)).all()):
+        width = table.shape[-1]
+        return (table[:, None, :] * scale.view(n_groups, n, width)).view(scale.shape)
+    return table.index_select(0, group).mul_(scale)
