@@ -263,10 +263,11 @@ def otb(
     align: "position" (absolute response position, single-turn) or "generated" (k-th policy token,
         for multi-turn masks with tool tokens). With "position" and masks with gaps, the trajectories
         compared at column t are those with a policy token at t, so a trajectory alone at an interior
-        column (its peers have a gap there) is treated exactly like the tail of a uniquely longest
-        response: zero_tail gives it baseline 0 (A = G), and without zero_tail (or with leave_one_out)
-        its baseline is its own return resp. 0. (verl's TIR estimator gives 0 there instead; otbrl
-        keeps one rule for every column, and "generated" avoids such columns for tool-call masks.)
+        column (its peers all have a gap there) is treated like the tail of a uniquely longest
+        response: no peer, no baseline, A = G (with zero_tail, and always with leave_one_out). verl's
+        TIR estimator gives A = 0 there (the self-inclusive baseline of one trajectory is its own
+        return, which cancels the token's signal); otbrl keeps one rule for every column, the one
+        zero_tail exists for. zero_tail=False gives verl's A = 0.
     zero_tail: self-inclusive only: where a trajectory is the only active one of its group (the tail of a
         uniquely longest response), its baseline is 0 instead of itself. On left-aligned contiguous
         masks this is exactly the authors' handle_zero_tail rule.
@@ -278,17 +279,15 @@ def otb(
     batch whose energy sums overflow (e.g. huge importance weights) is redone in float64.
     """
     _check_eps(eps)
-    w = batch.energy
+    rho = None
     if is_weights is not None:
-        rho = check_token_values(
-            "is_weights", is_weights, batch.mask, nonnegative=True, dtype=w.dtype, values=batch.mask_values
-        )
-        w = w * rho.square()
+        keep, values, dtype = batch.mask, batch.mask_values, batch.dtype
+        rho = check_token_values("is_weights", is_weights, keep, nonnegative=True, dtype=dtype, values=values)
     # leave_one_out: totals minus own shares cancel when one trajectory holds most of the energy.
     dtype = torch.float64 if leave_one_out else batch.dtype
-    out = _otb(batch, w, dtype, leave_one_out, align, zero_tail, eps)
+    out = _otb(batch, rho, dtype, leave_one_out, align, zero_tail, eps)
     if out is None and dtype != torch.float64:
-        out = _otb(batch, w, torch.float64, leave_one_out, align, zero_tail, eps)
+        out = _otb(batch, rho, torch.float64, leave_one_out, align, zero_tail, eps)
     if out is None:
         raise ValueError("energy: the energy sums overflow even in float64; rescale energy or is_weights")
     base = out.to(batch.dtype)
@@ -297,17 +296,20 @@ def otb(
 
 def _otb(
     batch: Rollouts,
-    w: torch.Tensor,
+    rho: torch.Tensor | None,
     dtype: torch.dtype,
     leave_one_out: bool,
     align: str,
     zero_tail: bool,
     eps: float,
 ) -> torch.Tensor | None:
-    """OTB's (B, T) baselines in `dtype`, zero where mask == 0; None if the energy sums overflow."""
+    """OTB's (B, T) baselines in `dtype`, zero where mask == 0; None if the energy sums overflow.
+    rho: (B, T) importance weights (energy w_t rho_t^2) or None."""
     keep = batch.mask
     ones = batch.mask_values.to(dtype)
-    g, w = batch.returns.to(dtype), w.to(dtype)
+    g, w = batch.returns.to(dtype), batch.energy.to(dtype)
+    if rho is not None:
+        w = w * rho.to(dtype).square()
     # W_t: the cumulative sum carries through mask == 0 tokens; keep it at policy tokens only.
     weighted = w.cumsum(dim=-1).mul_(ones)
     columns, width = aligned_columns(keep, align)

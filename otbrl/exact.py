@@ -73,7 +73,7 @@ def score_sq_norms(
     """
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    check_temperature(temperature)
+    temperature = check_temperature(temperature)
     if input_ids.dim() != 2 or mask.dim() != 2 or mask.shape[0] != input_ids.shape[0]:
         raise ValueError(
             f"mask: shape {tuple(mask.shape)} is not (B, T) for input_ids {tuple(input_ids.shape)}"

@@ -30,7 +30,7 @@ VOCAB_TILE = 8192
 BACKENDS = ("auto", "torch", "triton")
 
 
-def _check(hidden, weight, tokens, temperature, bias) -> None:
+def _check(hidden, weight, tokens, temperature, bias) -> float:
     if not (isinstance(hidden, torch.Tensor) and hidden.is_floating_point() and hidden.dim() >= 1):
         raise ValueError("hidden: expected a floating-point tensor of shape (..., H)")
     if not (isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2):
@@ -49,7 +49,7 @@ def _check(hidden, weight, tokens, temperature, bias) -> None:
         raise ValueError(f"tokens: ids must lie in [0, {weight.shape[0]})")
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
         raise ValueError(f"bias: expected shape ({weight.shape[0]},)")
-    check_temperature(temperature)
+    return check_temperature(temperature)
 
 
 @torch.no_grad()
@@ -130,7 +130,7 @@ def fused_token_stats(
     input). Never holds more than one tile of logits. backend: "auto" (Triton on CUDA when installed,
     else torch), "torch" or "triton". Returns a `TokenStats` of (...) tensors; no autograd graph.
     """
-    _check(hidden, weight, tokens, temperature, bias)
+    temperature = _check(hidden, weight, tokens, temperature, bias)
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     shape = tokens.shape

@@ -117,9 +117,9 @@ def check_mask(mask: Any) -> torch.Tensor:
     return _mask_and_values(mask)[0]
 
 
-def check_temperature(temperature: Any) -> None:
+def check_temperature(temperature: Any) -> float:
     """Sampling temperatures must be finite real numbers > 0: Python, numpy or 0-d tensor reals
-    (booleans are not numbers here)."""
+    (booleans are not numbers here). Returns it as a Python float."""
     value = temperature
     if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool:
         value = value.item()
@@ -133,6 +133,7 @@ def check_temperature(temperature: Any) -> None:
     )
     if not ok:
         raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
+    return float(value)
 
 
 def compute_dtype(*values: Any) -> torch.dtype:
