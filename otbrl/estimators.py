@@ -103,7 +103,10 @@ def compute_advantages(
 
     estimator: a name in `otbrl.ESTIMATORS` ("otb", "grpo", "dr_grpo", "rloo", "opo", "sob", ...).
     rewards:   (B,) outcome rewards (placed on the last policy token) or (B, T) token rewards.
-    mask:      (B, T) 0/1, 1 where the policy generated the token.
+    mask:      (B, T) 0/1, 1 where the policy generated the token. A row with no policy token (all
+               zero: e.g. a row that could not be scored, masked out by the caller) is a member of no
+               group: it gets zero outputs and does not count in any group's size, mean, std or
+               baseline, for every estimator. Its reward is still validated (NaN raises).
     group_ids: (B,) prompt identity: integer tensor, numpy array or sequence of hashables.
     energy:    (B, T) per-token energy w_t >= 0 (e.g. `otbrl.token_energy`); required by "otb" and "sob".
     options:   estimator keywords, e.g. otb's leave_one_out, align, zero_tail, is_weights, eps.
