@@ -126,5 +126,5 @@ def rows_of(table: torch.Tensor, group: torch.Tensor, n_groups: int, scale: torc
     n = _block_size(group, n_groups)
     if n and bool((group[::n] == torch.arange(n_groups, device=group.device)).all()):
         width = table.shape[-1]
-        return (table[:, None, :] * scale.view(n_groups, n, width)).view(scale.shape)
+        return (table[:, None, :] * scale.reshape(n_groups, n, width)).view(scale.shape)
     return table.index_select(0, group).mul_(scale)

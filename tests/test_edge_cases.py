@@ -143,3 +143,15 @@ def test_numpy_and_tensor_temperatures_are_accepted(temperature):
 def test_bad_temperatures_are_refused(temperature):
     with pytest.raises(ValueError, match="temperature: must be a finite number > 0"):
         check_temperature(temperature)
+
+
+@pytest.mark.parametrize("name", ["otb", "grpo", "sob"])
+def test_non_contiguous_inputs_give_the_same_result(name):
+    batch = random_batch(5, [4, 4], 6)
+    wide = {k: (torch.cat([v, v], dim=1) if v.dim() == 2 else v) for k, v in batch.items()}
+    sliced = {k: (v[:, :6] if v.dim() == 2 else v) for k, v in wide.items()}
+    assert not sliced["mask"].is_contiguous()
+    floats = {k: (v.float() if v.is_floating_point() else v) for k, v in sliced.items()}
+    plain = {k: v.contiguous() for k, v in floats.items()}
+    got = otbrl.compute_advantages(name, **floats).advantages
+    torch.testing.assert_close(got, otbrl.compute_advantages(name, **plain).advantages)
