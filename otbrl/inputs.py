@@ -259,9 +259,9 @@ def rewards_onto_policy_tokens(rewards: Any, mask: Any) -> torch.Tensor:
     return torch.where(mask, rewards, 0.0) + moved
 
 
-def _magnitude(value: Any) -> float:
-    """max |value| of a float32 tensor, 0 for anything else (cheap: one reduction)."""
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() == 0:
+def _magnitude(value: torch.Tensor) -> float:
+    """max |value| of a real tensor that is not float64 (0 for float64 or empty ones): one reduction."""
+    if value.dtype == torch.float64 or value.numel() == 0 or value.is_complex() or value.dtype == torch.bool:
         return 0.0
     low, high = torch.aminmax(value)
     return max(abs(float(low)), abs(float(high)))  # NaN or inf: validation below names them
@@ -274,10 +274,13 @@ def make_rollouts(*, rewards: Any, mask: Any, group_ids: Any, energy: Any = None
     rewards' reward-to-go or the summed energy could get near float32's range (extreme but finite
     input), so that sums and squares of them never overflow."""
     mask, given = _mask_and_values(mask)
+    rewards = _as_tensor("rewards", rewards, mask.device)
+    energy = None if energy is None else _as_tensor("energy", energy, mask.device)
     dtype = compute_dtype(rewards, energy)
     if dtype == torch.float32:
         length = max(mask.shape[-1], 1)
-        if max(_magnitude(rewards), _magnitude(energy)) * length > SAFE_FLOAT32:
+        largest = max(_magnitude(rewards), 0.0 if energy is None else _magnitude(energy))
+        if largest * length > SAFE_FLOAT32:
             dtype = torch.float64
     values = given if given.dtype == dtype else as_values(mask, dtype)
     returns, outcome = check_rewards(rewards, mask, dtype, values)

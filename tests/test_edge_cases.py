@@ -71,6 +71,16 @@ def test_sequence_estimators_with_huge_rewards_are_finite(name):
     torch.testing.assert_close(res.advantages, small.advantages)
 
 
+@pytest.mark.parametrize("kind", ["list", "bfloat16"])
+def test_huge_rewards_as_lists_or_bfloat16_are_widened_too(kind):
+    rewards = [2e38, -1e38, 1e38, 0.0]
+    given = rewards if kind == "list" else torch.tensor(rewards, dtype=torch.bfloat16)
+    res = otbrl.compute_advantages("grpo", rewards=given, mask=torch.ones(4, 3), group_ids=[0, 0, 0, 0])
+    exact = [float(r) for r in torch.as_tensor(given).double()]
+    expected = torch.tensor(grpo_ref(exact), dtype=torch.float64)[:, None].expand(4, 3)
+    torch.testing.assert_close(res.advantages.double(), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_advantages_beyond_float32_raise_a_clear_error():
     # R - mean = 3e38 - (-1e38) = 4e38 does not fit float32: an error, not inf.
     with pytest.raises(ValueError, match="advantages: estimator 'dr_grpo' gave inf"):
