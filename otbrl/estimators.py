@@ -320,13 +320,17 @@ def _otb(
     def table(x: torch.Tensor) -> torch.Tensor:  # (B, T) -> (G, width): sums per group and column
         return group_sums(to_frame(x, columns, width), batch.group, batch.n_groups)
 
-    def per_token(x: torch.Tensor) -> torch.Tensor:  # (G, width) -> (B, T): each policy token's cell
+    def per_token(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(G, width) -> (B, T): each policy token's cell, 0 elsewhere (written into `out` if given)."""
         if width == keep.shape[-1]:
-            return rows_of(x, batch.group, batch.n_groups, ones)
+            return rows_of(x, batch.group, batch.n_groups, ones, out=out)
         return from_frame(x.index_select(0, batch.group), columns).mul_(ones)
 
-    gw = g * weighted
-    num, den, count = table(gw), table(weighted), table(ones)
+    den, count = table(weighted), table(ones)
+    # Self-inclusive: W_t is not read again, so G_t W_t and then the baselines reuse its memory (on CPU
+    # every fresh (B, T) tensor costs page faults comparable to an arithmetic pass).
+    gw = g * weighted if leave_one_out else weighted.mul_(g)
+    num = table(gw)
     if not bool(torch.isfinite(num).all() and torch.isfinite(den).all()):
         return None
     if leave_one_out:
@@ -343,4 +347,4 @@ def _otb(
     no_baseline = (batch.group_counts == 1)[:, None]
     if zero_tail:
         no_baseline = no_baseline | (count < 1.5)
-    return per_token(torch.where(no_baseline, 0.0, base))
+    return per_token(torch.where(no_baseline, 0.0, base), out=gw)

@@ -98,12 +98,16 @@ def _mask_and_values(mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if mask.is_complex():
         raise ValueError("mask: values must be 0 or 1")
     keep = mask.bool()
-    # 0/1 exactly when casting back gives the same values (NaN and 0.5 both become True, i.e. 1);
-    # casts and one comparison are much cheaper on CPU than comparisons with a bool output.
-    values = as_values(keep, mask.dtype) if mask.is_floating_point() else keep.to(mask.dtype)
-    if not torch.equal(values, mask):
-        raise ValueError("mask: values must be 0 or 1")
-    return keep, values
+    # Casts, one reduction and one comparison of bytes: much cheaper on CPU than comparisons with a
+    # bool output. In [0, 1] (NaN fails here), a value is 0 or 1 exactly when truncating it to an
+    # integer gives what bool() gives (0.5 -> 0 but True).
+    if mask.numel():
+        low, high = torch.aminmax(mask)
+        if not (low >= 0 and high <= 1):
+            raise ValueError("mask: values must be 0 or 1")
+        if not torch.equal(keep.view(torch.uint8), mask.to(torch.uint8)):
+            raise ValueError("mask: values must be 0 or 1")
+    return keep, mask
 
 
 def as_values(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

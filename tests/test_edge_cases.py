@@ -165,3 +165,48 @@ def test_non_contiguous_inputs_give_the_same_result(name):
     plain = {k: v.contiguous() for k, v in floats.items()}
     got = otbrl.compute_advantages(name, **floats).advantages
     torch.testing.assert_close(got, otbrl.compute_advantages(name, **plain).advantages)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The mask check (now casts and byte comparisons) and the caller's tensors stay untouched.
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.tensor([[1.0, 0.5]]),
+        torch.tensor([[1.5, 0.0]]),
+        torch.tensor([[float("nan"), 1.0]]),
+        torch.tensor([[-1.0, 1.0]]),
+        torch.tensor([[1.0 - 1e-16, 1.0]], dtype=torch.float64),
+        torch.tensor([[1.0, 1.0 - 2**-11]], dtype=torch.float16),
+        torch.tensor([[2, 1]]),
+        torch.tensor([[1, 255]], dtype=torch.uint8),
+        torch.tensor([[-1, 0]], dtype=torch.int8),
+    ],
+)
+def test_masks_that_are_not_zero_or_one_are_refused(bad):
+    with pytest.raises(ValueError, match="mask: values must be 0 or 1"):
+        otbrl.compute_advantages("grpo", rewards=torch.ones(1), mask=bad, group_ids=[0])
+
+
+@pytest.mark.parametrize(
+    "good",
+    [
+        torch.tensor([[1.0, -0.0]]),
+        torch.tensor([[1, 0]], dtype=torch.uint8),
+        torch.tensor([[1.0, 0.0]]).half(),
+    ],
+)
+def test_masks_of_zeros_and_ones_in_any_dtype_are_accepted(good):
+    res = otbrl.compute_advantages("grpo", rewards=torch.ones(1), mask=good, group_ids=[0])
+    assert res.returns.tolist() == [[1.0, 0.0]]
+
+
+@pytest.mark.parametrize("name", ["otb", "grpo", "reinforce_pp_baseline"])
+def test_inputs_are_not_modified(name):
+    batch = {k: (v.float() if v.is_floating_point() else v) for k, v in random_batch(6, [3, 3], 5).items()}
+    before = {k: v.clone() for k, v in batch.items()}
+    otbrl.compute_advantages(name, **batch, **({"is_weights": torch.ones(6, 5)} if name == "otb" else {}))
+    for k, v in batch.items():
+        assert torch.equal(v, before[k]), k
