@@ -141,34 +141,33 @@ def cell(name: str, batch: int, length: int, threads: int) -> dict[str, float]:
 
 def ratio_cell(batch: int, length: int, rewards: str, threads: int) -> dict[str, float]:
     """Runs in a fresh process: OTB and GRPO called alternately (after one warm-up call each) for about
-    BUDGET_S; medians of each and the median of the per-pair ratios."""
+    BUDGET_S. Wall and CPU time (user + system of this process, which time slices taken by other work
+    on a shared machine do not inflate) of each; the ratio is the median of the per-pair CPU-time ratios."""
     torch.set_num_threads(threads)
     inputs = make_inputs(batch, length, token_rewards=rewards == "token")
     calls = {"otb": lambda: run_otb(**inputs), "grpo": lambda: run_grpo(**inputs)}
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for k, call in calls.items():
-        start = time.perf_counter()
+    start = time.perf_counter()
+    for call in calls.values():
         call()
-        times[k].append(time.perf_counter() - start)
-    pairs = max(5, min(30, int(BUDGET_S / sum(v[0] for v in times.values()))))
-    times = {k: [] for k in calls}
+    pairs = max(7, min(30, int(BUDGET_S / (time.perf_counter() - start))))
+    wall: dict[str, list[float]] = {k: [] for k in calls}
+    cpu: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(pairs):
         for k, call in calls.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             call()
-            times[k].append(time.perf_counter() - start)
-    ratios = [o / g for o, g in zip(times["otb"], times["grpo"], strict=True)]
-    return {
-        "otb_ms": 1e3 * statistics.median(times["otb"]),
-        "grpo_ms": 1e3 * statistics.median(times["grpo"]),
-        "ratio": statistics.median(ratios),
-        "pairs": pairs,
-    }
+            cpu[k].append(time.process_time() - start_cpu)
+            wall[k].append(time.perf_counter() - start)
+    ratios = [o / g for o, g in zip(cpu["otb"], cpu["grpo"], strict=True)]
+    out = {f"{k}_ms": 1e3 * statistics.median(v) for k, v in wall.items()}
+    out |= {f"{k}_cpu_ms": 1e3 * statistics.median(v) for k, v in cpu.items()}
+    return out | {"ratio": statistics.median(ratios), "pairs": pairs}
 
 
 def ratio_table(cases: list[tuple[int, int, str]], threads: int) -> tuple[str, list[dict[str, float]]]:
     """The side-by-side OTB/GRPO table, each case in a fresh process."""
-    header = ["B", "T", "rewards", "threads", "otb ms", "grpo ms", "otb/grpo", "pairs"]
+    header = ["B", "T", "rewards", "threads", "otb ms", "grpo ms", "otb cpu ms", "grpo cpu ms"]
+    header += ["otb/grpo", "pairs"]
     rows, results = [], []
     for batch, length, rewards in cases:
         res = in_fresh_process(ratio_cell, batch, length, rewards, threads)
@@ -181,6 +180,8 @@ def ratio_table(cases: list[tuple[int, int, str]], threads: int) -> tuple[str, l
                 str(threads),
                 f"{res['otb_ms']:.1f}",
                 f"{res['grpo_ms']:.1f}",
+                f"{res['otb_cpu_ms']:.1f}",
+                f"{res['grpo_cpu_ms']:.1f}",
                 f"{res['ratio']:.2f}x",
                 str(res["pairs"]),
             ]
@@ -255,9 +256,12 @@ def main() -> None:
         "would cancel in float32. Times are medians after one warm-up call; peak is the extra resident "
         "memory of one call in a fresh process (VmHWM - VmRSS before).\n\n"
         "Side by side (first table): OTB and GRPO through `otbrl.compute_advantages` on the same inputs, "
-        "called alternately in one fresh process; times are medians, `otb/grpo` is the median of the "
-        "per-pair ratios (robust to load that changes during the run). Token rewards are N(0, 1) on every "
-        "policy token, so both pay for the reward-to-go. `threads` is torch's intra-op thread count."
+        "called alternately in one fresh process; `ms` is wall time, `cpu ms` the process's CPU time "
+        "(user + system: page faults count, time slices taken by other work on the machine do not), both "
+        "medians; `otb/grpo` is the median of the per-pair CPU-time ratios (robust to load that changes "
+        "during the run; with one thread CPU time equals wall time on an idle machine). Token rewards are "
+        "N(0, 1) on every policy token, so both pay for the reward-to-go. `threads` is torch's intra-op "
+        "thread count."
     )
     table = side_by_side + "\n\n" + table
     write_result(
