@@ -147,10 +147,9 @@ def compute_dtype(*values: Any) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
-def _check_range(name: str, t: torch.Tensor, nonnegative: bool, where: str) -> float:
-    """Raise unless t is finite (and >= 0 if asked); returns max |t| (0 for an empty tensor)."""
+def _check_range(name: str, t: torch.Tensor, nonnegative: bool, where: str) -> None:
     if t.numel() == 0:
-        return 0.0
+        return
     low, high = torch.aminmax(t)  # one pass; both propagate NaN
     if not (torch.isfinite(low) and torch.isfinite(high)):
         raise ValueError(f"{name}: contains NaN or inf{where}")
@@ -159,7 +158,6 @@ def _check_range(name: str, t: torch.Tensor, nonnegative: bool, where: str) -> f
             f"{name}: must be >= 0{where} (min {low.item():.3g}); if it comes from "
             "1 - 2*pi + sum(pi^2), use otbrl.token_energy_from_logprobs, which clamps the rounding error"
         )
-    return max(abs(float(low)), abs(float(high)))
 
 
 def _real(name: str, value: Any, device: torch.device) -> torch.Tensor:
