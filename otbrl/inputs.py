@@ -147,9 +147,10 @@ def compute_dtype(*values: Any) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
-def _check_range(name: str, t: torch.Tensor, nonnegative: bool, where: str) -> None:
+def _check_range(name: str, t: torch.Tensor, nonnegative: bool, where: str) -> float:
+    """Raise unless t is finite (and >= 0 if asked); returns max |t| (0 for an empty tensor)."""
     if t.numel() == 0:
-        return
+        return 0.0
     low, high = torch.aminmax(t)  # one pass; both propagate NaN
     if not (torch.isfinite(low) and torch.isfinite(high)):
         raise ValueError(f"{name}: contains NaN or inf{where}")
@@ -158,6 +159,7 @@ def _check_range(name: str, t: torch.Tensor, nonnegative: bool, where: str) -> N
             f"{name}: must be >= 0{where} (min {low.item():.3g}); if it comes from "
             "1 - 2*pi + sum(pi^2), use otbrl.token_energy_from_logprobs, which clamps the rounding error"
         )
+    return max(abs(float(low)), abs(float(high)))
 
 
 def _real(name: str, value: Any, device: torch.device) -> torch.Tensor:
@@ -187,6 +189,18 @@ def check_token_values(
 ) -> torch.Tensor:
     """A (B, T) per-token real tensor, read only where mask is True -> `dtype` (default: float32, or
     float64 for float64 input), zero elsewhere. `values`: optionally the mask as 0/1 in `dtype`."""
+    return _token_values(name, value, mask, nonnegative, dtype, values)[0]
+
+
+def _token_values(
+    name: str,
+    value: Any,
+    mask: torch.Tensor,
+    nonnegative: bool,
+    dtype: torch.dtype | None,
+    values: torch.Tensor | None,
+) -> tuple[torch.Tensor, float]:
+    """check_token_values, plus the largest magnitude at policy tokens."""
     t = _as_tensor(name, value, mask.device)
     if t.shape != mask.shape:
         raise ValueError(f"{name}: shape {tuple(t.shape)} does not match mask {tuple(mask.shape)}")
@@ -197,14 +211,14 @@ def check_token_values(
     t = t.to(dtype or compute_dtype(t))
     out = _masked(t, mask, values)
     try:
-        _check_range(name, out, nonnegative, " at policy tokens")
+        largest = _check_range(name, out, nonnegative, " at policy tokens")
     except ValueError:
         if out is t or values is None:
             raise
         # Maybe only a NaN or inf at a masked position (never read) spoiled the product.
         out = torch.where(mask, t, 0.0)
-        _check_range(name, out, nonnegative, " at policy tokens")
-    return out
+        largest = _check_range(name, out, nonnegative, " at policy tokens")
+    return out, largest
 
 
 # float32 sums, squares and products of values up to this size stay far from overflow for any batch
@@ -217,15 +231,23 @@ def check_rewards(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B,) outcome or (B, T) token rewards -> (returns (B, T), outcome (B,)) in `dtype`.
     `values`: optionally the mask as 0/1 in `dtype`."""
+    returns, outcome, _ = _rewards(rewards, mask, dtype, values)
+    return returns, outcome
+
+
+def _rewards(
+    rewards: Any, mask: torch.Tensor, dtype: torch.dtype | None, values: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """check_rewards, plus a bound on |reward-to-go|: T * max |r| (max |r| for outcome rewards)."""
     r = _real("rewards", rewards, mask.device)
     r = r.to(dtype or compute_dtype(r))
-    _check_range("rewards", r, False, "")
+    largest = _check_range("rewards", r, False, "")
     batch = mask.shape[0]
     if r.dim() == 1:
         if r.shape[0] != batch:
             raise ValueError(f"rewards: length {r.shape[0]} does not match the batch size {batch} of mask")
         # The outcome reward sits on the last policy token, so every policy token's reward-to-go is R.
-        return _masked(r[:, None].expand(mask.shape), mask, values), r
+        return _masked(r[:, None].expand(mask.shape), mask, values), r, largest
     if r.shape != mask.shape:
         raise ValueError(
             f"rewards: expected shape (B,) or (B, T) = {tuple(mask.shape)}, got {tuple(r.shape)}"
@@ -239,10 +261,11 @@ def check_rewards(
             f"{row}, position {col}) and would be dropped; put an outcome reward on the last policy token "
             "(otbrl.inputs.rewards_onto_policy_tokens moves each reward there)"
         )
-    # Reward-to-go (finite: the caller keeps T * max|r| in range), in place where a copy exists anyway.
+    # Reward-to-go, in place where a copy exists anyway. It may overflow float32 only beyond the bound
+    # returned, where make_rollouts starts over in float64.
     returns = kept.flip(-1).cumsum_(-1).flip(-1)
     returns = torch.where(mask, returns, 0.0) if values is None else returns.mul_(values)
-    return returns, r.sum(dim=-1)
+    return returns, r.sum(dim=-1), largest * mask.shape[-1]
 
 
 def rewards_onto_policy_tokens(rewards: Any, mask: Any) -> torch.Tensor:
@@ -261,35 +284,25 @@ def rewards_onto_policy_tokens(rewards: Any, mask: Any) -> torch.Tensor:
     return torch.where(mask, rewards, 0.0) + moved
 
 
-def _magnitude(value: torch.Tensor) -> float:
-    """max |value| of a real tensor that is not float64 (0 for float64 or empty ones): one reduction."""
-    if value.dtype == torch.float64 or value.numel() == 0 or value.is_complex() or value.dtype == torch.bool:
-        return 0.0
-    low, high = torch.aminmax(value)
-    return max(abs(float(low)), abs(float(high)))  # NaN or inf: validation below names them
-
-
 def make_rollouts(*, rewards: Any, mask: Any, group_ids: Any, energy: Any = None) -> Rollouts:
     """Validate user input and build the `Rollouts` view.
 
     Computes in float32 (float64 if rewards or energy are float64), and in float64 also when the
-    rewards' reward-to-go or the summed energy could get near float32's range (extreme but finite
-    input), so that sums and squares of them never overflow."""
+    reward-to-go or the summed energy could get near float32's range (extreme but finite input: T times
+    the largest |reward| or energy above SAFE_FLOAT32), so that sums and squares never overflow."""
     mask, given = _mask_and_values(mask)
-    rewards = _as_tensor("rewards", rewards, mask.device)
-    energy = None if energy is None else _as_tensor("energy", energy, mask.device)
-    dtype = compute_dtype(rewards, energy)
-    if dtype == torch.float32:
-        length = max(mask.shape[-1], 1)
-        largest = max(_magnitude(rewards), 0.0 if energy is None else _magnitude(energy))
-        if largest * length > SAFE_FLOAT32:
-            dtype = torch.float64
-    values = given if given.dtype == dtype else as_values(mask, dtype)
-    returns, outcome = check_rewards(rewards, mask, dtype, values)
     group, n_groups = dense_group_index(group_ids, mask.shape[0], mask.device)
-    w = None
-    if energy is not None:
-        w = check_token_values("energy", energy, mask, nonnegative=True, dtype=dtype, values=values)
+    dtype = compute_dtype(rewards, energy)
+    while True:
+        values = given if given.dtype == dtype else as_values(mask, dtype)
+        returns, outcome, largest = _rewards(rewards, mask, dtype, values)
+        w = None
+        if energy is not None:
+            w, most = _token_values("energy", energy, mask, True, dtype, values)
+            largest = max(largest, most * mask.shape[-1])
+        if dtype == torch.float64 or not largest > SAFE_FLOAT32:
+            break
+        dtype = torch.float64  # rare: validate and build again, wide
     return Rollouts(
         mask=mask, returns=returns, outcome=outcome, group=group, n_groups=n_groups, energy=w, weights=values
     )
