@@ -1,13 +1,18 @@
 """Time and peak memory of otbrl's vectorised OTB against a per-group Python loop and against GRPO.
 
-    .venv/bin/python benchmarks/bench_advantages.py            # full run, writes docs/results/advantages.md
-    .venv/bin/python benchmarks/bench_advantages.py --quick    # B=256, T=1024 only, writes to a temp file
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_advantages.py  # writes docs/results/advantages.md
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_advantages.py --quick  # B=256, T=1024; temp file
 
-Inputs: groups of N=8, outcome rewards in {0, 1}, response lengths uniform in [T/4, T] (left-aligned
-masks), energy uniform in [0, 1). Each (estimator, size) cell runs in a fresh process.
+Inputs: groups of N=8, outcome rewards in {0, 1} (or, for token rewards, N(0, 1) on every policy token),
+response lengths uniform in [T/4, T] (left-aligned masks), energy uniform in [0, 1). Each (estimator,
+size) cell runs in a fresh process; the OTB/GRPO ratio cells time both side by side in one process,
+alternating calls, so load from other work on the machine hits both alike.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import torch
 from common import command_line, in_fresh_process, measure, write_result
@@ -21,16 +26,22 @@ FULL_SIZES = [(256, 1024), (256, 8192), (1024, 1024), (1024, 8192)]
 QUICK_SIZES = [(256, 1024)]
 BUDGET_S = 3.0  # timing budget per cell; slow cells still get 3 repeats
 TARGET_LOOP_SPEEDUP = 50.0
-TARGET_GRPO_RATIO = 3.0
+TARGET_GRPO_RATIO = 3.0  # outcome rewards, largest size of the main table
+# Side-by-side OTB/GRPO cells (B, T, rewards); the first one is judged against TARGET_TOKEN_RATIO.
+RATIO_CASES = [(1024, 4096, "token"), (1024, 8192, "outcome")]
+QUICK_RATIO_CASES = [(256, 1024, "token"), (256, 1024, "outcome")]
+TARGET_TOKEN_RATIO = 2.5
 
 
-def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, Tensor]:
+def make_inputs(batch: int, length: int, seed: int = 0, token_rewards: bool = False) -> dict[str, Tensor]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(length // 4, length + 1, (batch,), generator=gen)
+    # float mask, as trainers usually hand it over
+    mask = (torch.arange(length) < lengths[:, None]).float()
+    outcome = torch.randint(0, 2, (batch,), generator=gen).float()
     return {
-        "rewards": torch.randint(0, 2, (batch,), generator=gen).float(),
-        # float mask, as trainers usually hand it over
-        "mask": (torch.arange(length) < lengths[:, None]).float(),
+        "rewards": torch.randn(batch, length, generator=gen) * mask if token_rewards else outcome,
+        "mask": mask,
         "group_ids": torch.arange(batch) // GROUP_SIZE,
         "energy": torch.rand(batch, length, generator=gen),
     }
@@ -128,11 +139,65 @@ def cell(name: str, batch: int, length: int, threads: int) -> dict[str, float]:
     return result
 
 
+def ratio_cell(batch: int, length: int, rewards: str, threads: int) -> dict[str, float]:
+    """Runs in a fresh process: OTB and GRPO called alternately (after one warm-up call each) for about
+    BUDGET_S. Wall and CPU time (user + system of this process, which time slices taken by other work
+    on a shared machine do not inflate) of each; the ratio is the median of the per-pair CPU-time ratios."""
+    torch.set_num_threads(threads)
+    inputs = make_inputs(batch, length, token_rewards=rewards == "token")
+    calls = {"otb": lambda: run_otb(**inputs), "grpo": lambda: run_grpo(**inputs)}
+    start = time.perf_counter()
+    for call in calls.values():
+        call()
+    pairs = max(7, min(30, int(BUDGET_S / (time.perf_counter() - start))))
+    wall: dict[str, list[float]] = {k: [] for k in calls}
+    cpu: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(pairs):
+        for k, call in calls.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            call()
+            cpu[k].append(time.process_time() - start_cpu)
+            wall[k].append(time.perf_counter() - start)
+    ratios = [o / g for o, g in zip(cpu["otb"], cpu["grpo"], strict=True)]
+    out = {f"{k}_ms": 1e3 * statistics.median(v) for k, v in wall.items()}
+    out |= {f"{k}_cpu_ms": 1e3 * statistics.median(v) for k, v in cpu.items()}
+    return out | {"ratio": statistics.median(ratios), "pairs": pairs}
+
+
+def ratio_table(cases: list[tuple[int, int, str]], threads: int) -> tuple[str, list[dict[str, float]]]:
+    """The side-by-side OTB/GRPO table, each case in a fresh process."""
+    header = ["B", "T", "rewards", "threads", "otb ms", "grpo ms", "otb cpu ms", "grpo cpu ms"]
+    header += ["otb/grpo", "pairs"]
+    rows, results = [], []
+    for batch, length, rewards in cases:
+        res = in_fresh_process(ratio_cell, batch, length, rewards, threads)
+        results.append(res)
+        rows.append(
+            [
+                str(batch),
+                str(length),
+                rewards,
+                str(threads),
+                f"{res['otb_ms']:.1f}",
+                f"{res['grpo_ms']:.1f}",
+                f"{res['otb_cpu_ms']:.1f}",
+                f"{res['grpo_cpu_ms']:.1f}",
+                f"{res['ratio']:.2f}x",
+                str(res["pairs"]),
+            ]
+        )
+    return markdown_table(header, rows), results
+
+
 def main() -> None:
     quick, out, threads = command_line(__doc__.splitlines()[0], "B=256, T=1024 only", "advantages.md")
     sizes = QUICK_SIZES if quick else FULL_SIZES
+    cases = QUICK_RATIO_CASES if quick else RATIO_CASES
+    side_by_side, ratio_results = ratio_table(cases, threads)
+    print(side_by_side)
 
     header = ["B", "T", *(f"{k} ms" for k in FUNCTIONS), "group loop/otb", "row loop/otb", "otb/grpo"]
+    header.insert(2, "threads")
     header += ["otb peak MiB", "grpo peak MiB"]
     rows, results = [], {}
     for batch, length in sizes:
@@ -151,7 +216,7 @@ def main() -> None:
         ratios = [f"{res[k]['ms'] / otb['ms']:.1f}x" for k in ("group loop", "row loop")]
         ratios.append(f"{otb['ms'] / grpo['ms']:.2f}x")
         peaks = [f"{res[k]['peak_mib']:.0f}" for k in ("otb", "grpo")]
-        rows.append([str(batch), str(length), *times, *ratios, *peaks])
+        rows.append([str(batch), str(length), str(threads), *times, *ratios, *peaks])
         repeats = ", ".join(f"{k} {v['repeats']}" for k, v in res.items())
         print(f"B={batch} T={length}: max |loop - otb| = {diff:.2g}; repeats {repeats}")
     table = markdown_table(header, rows)
@@ -173,6 +238,12 @@ def main() -> None:
         )
         + f". OTB <= {TARGET_GRPO_RATIO:.0f}x GRPO time: {met(ratio <= TARGET_GRPO_RATIO)} ({ratio:.2f}x)."
     )
+    batch, length, rewards = cases[0]
+    token_ratio = ratio_results[0]["ratio"]
+    verdict += (
+        f" Side by side, {rewards} rewards at B={batch}, T={length}: OTB <= {TARGET_TOKEN_RATIO}x GRPO time: "
+        f"{met(token_ratio <= TARGET_TOKEN_RATIO)} ({token_ratio:.2f}x)."
+    )
     print(verdict)
     description = (
         f"Groups of {GROUP_SIZE}, outcome rewards in {{0, 1}}, response lengths uniform in [T/4, T], "
@@ -183,8 +254,16 @@ def main() -> None:
         "float32 and are checked equal to otbrl's advantages (atol 1e-4) before timing, as is `otb "
         "generated`. `otb loo` (leave-one-out) computes in float64 on purpose: its total-minus-own sums "
         "would cancel in float32. Times are medians after one warm-up call; peak is the extra resident "
-        "memory of one call in a fresh process (VmHWM - VmRSS before)."
+        "memory of one call in a fresh process (VmHWM - VmRSS before).\n\n"
+        "Side by side (first table): OTB and GRPO through `otbrl.compute_advantages` on the same inputs, "
+        "called alternately in one fresh process; `ms` is wall time, `cpu ms` the process's CPU time "
+        "(user + system: page faults count, time slices taken by other work on the machine do not), both "
+        "medians; `otb/grpo` is the median of the per-pair CPU-time ratios (robust to load that changes "
+        "during the run; with one thread CPU time equals wall time on an idle machine). Token rewards are "
+        "N(0, 1) on every policy token, so both pay for the reward-to-go. `threads` is torch's intra-op "
+        "thread count."
     )
+    table = side_by_side + "\n\n" + table
     write_result(
         out,
         "Advantage estimators: time and peak memory",
@@ -194,6 +273,7 @@ def main() -> None:
         description,
         table,
         verdict,
+        env=f"OMP_NUM_THREADS={threads} ",
     )
 
 

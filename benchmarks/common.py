@@ -70,11 +70,19 @@ def command_line(description: str, quick_help: str, filename: str) -> tuple[bool
 
 
 def write_result(
-    out: Path, title: str, script: str, quick: bool, threads: int, description: str, table: str, verdict: str
+    out: Path,
+    title: str,
+    script: str,
+    quick: bool,
+    threads: int,
+    description: str,
+    table: str,
+    verdict: str,
+    env: str = "",
 ) -> None:
-    """Write a results page: title, machine, the command that regenerates it, what was measured, the
-    table and the verdict computed from it."""
-    command = f".venv/bin/python benchmarks/{script}" + (" --quick" if quick else "")
+    """Write a results page: title, machine, the command that regenerates it (after `env`, e.g.
+    "OMP_NUM_THREADS=1 "), what was measured, the table and the verdict computed from it."""
+    command = f"{env}.venv/bin/python benchmarks/{script}" + (" --quick" if quick else "")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         f"# {title}\n\nMachine: {machine(threads)}.\n\nRegenerate (from the repo root): `{command}`\n\n"

@@ -7,6 +7,7 @@ dtype, and walks the rows in chunks so a (16k, 152k) bf16 input never needs a fu
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -17,12 +18,13 @@ from otbrl.inputs import check_mask, check_temperature, check_token_values, comp
 CHUNK_ELEMENTS = 1 << 24
 
 
-def _check_logits(logits: torch.Tensor, temperature: float) -> None:
+def _check_logits(logits: torch.Tensor, temperature: Any) -> float:
+    """Validate logits and the temperature; returns the temperature as a Python float."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise ValueError("logits: expected a floating-point tensor of shape (..., V)")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
-    check_temperature(temperature)
+    return check_temperature(temperature)
 
 
 def _tiles(logits: torch.Tensor, temperature: float) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -57,7 +59,7 @@ def sum_pi_squared(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tens
     logits: (..., V), any floating dtype. Returns (...) in float32 (float64 for float64 input).
     With e = exp(z/T - max z/T): sum pi^2 = sum e^2 / (sum e)^2, both sums of positive terms.
     """
-    _check_logits(logits, temperature)
+    temperature = _check_logits(logits, temperature)
     out = torch.empty(logits.shape[:-1].numel(), dtype=compute_dtype(logits), device=logits.device)
     for rows, e in _tiles(logits, temperature):
         s1 = e.sum(dim=-1)
@@ -74,7 +76,7 @@ def token_energy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float 
     only sums of positive terms, so it is never negative and keeps its relative accuracy for confident
     tokens, where the textbook 1 - 2 pi_y + sum pi^2 cancels catastrophically.
     """
-    _check_logits(logits, temperature)
+    temperature = _check_logits(logits, temperature)
     if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex():
         raise ValueError("tokens: expected an integer tensor")
     if tokens.shape != logits.shape[:-1]:

@@ -34,7 +34,7 @@ VOCAB_TILE = 8192
 BACKENDS = ("auto", "torch", "triton")
 
 
-def _check(hidden, weight, tokens, temperature, bias) -> None:
+def _check(hidden, weight, tokens, temperature, bias) -> float:
     if not (isinstance(hidden, torch.Tensor) and hidden.is_floating_point() and hidden.dim() >= 1):
         raise ValueError("hidden: expected a floating-point tensor of shape (..., H)")
     if not (isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2):
@@ -53,7 +53,7 @@ def _check(hidden, weight, tokens, temperature, bias) -> None:
         raise ValueError(f"tokens: ids must lie in [0, {weight.shape[0]})")
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
         raise ValueError(f"bias: expected shape ({weight.shape[0]},)")
-    check_temperature(temperature)
+    return check_temperature(temperature)
 
 
 @torch.no_grad()
@@ -139,7 +139,7 @@ def fused_token_stats(
     `TokenStats` of (...) tensors; no autograd graph. Raises ValueError for NaN/+inf logits, a row
     whose logits are all -inf, or a sampled token whose logit is -inf (probability 0).
     """
-    _check(hidden, weight, tokens, temperature, bias)
+    temperature = _check(hidden, weight, tokens, temperature, bias)
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     shape = tokens.shape

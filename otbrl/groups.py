@@ -115,3 +115,28 @@ def from_frame(framed: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     if framed.shape[-1] == columns.shape[-1]:
         return framed
     return framed.gather(-1, columns.expand((*framed.shape[:-1], columns.shape[-1])))
+
+
+def rows_of(
+    table: torch.Tensor,
+    group: torch.Tensor,
+    n_groups: int,
+    scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each row's line of a per-group table, times `scale`: (G, W), (B,), (B, W) -> (B, W).
+
+    With rows in consecutive, ordered blocks per group (the usual trainer layout) this is one
+    broadcasting multiply, with no (B, W) copy of the table in between. `out`: an optional contiguous
+    (B, W) tensor to write into (not `scale` itself).
+    """
+    n = _block_size(group, n_groups)
+    if n and bool((group[::n] == torch.arange(n_groups, device=group.device)).all()):
+        width = table.shape[-1]
+        blocks = scale.reshape(n_groups, n, width)
+        if out is None:
+            return (table[:, None, :] * blocks).view(scale.shape)
+        torch.mul(table[:, None, :], blocks, out=out.view(n_groups, n, width))
+        return out
+    rows = table.index_select(0, group) if out is None else torch.index_select(table, 0, group, out=out)
+    return rows.mul_(scale)

@@ -63,10 +63,12 @@ def returns_ref(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _groups(group_ids) -> dict:
+def _groups(group_ids, mask=None) -> dict:
+    """group id -> member rows; with `mask`, rows without a policy token are members of no group."""
     members: dict = {}
     for i, gid in enumerate(group_ids):
-        members.setdefault(int(gid), []).append(i)
+        if mask is None or any(float(m) != 0 for m in mask[i]):
+            members.setdefault(int(gid), []).append(i)
     return members
 
 
@@ -81,7 +83,7 @@ def sequence_ref(name: str, rewards, mask, group_ids, energy=None, eps: float = 
     r = outcome_ref(rewards, mask)
     rows = mask.shape[0]
     adv = [0.0] * rows
-    for idx in _groups(group_ids).values():
+    for idx in _groups(group_ids, mask).values():
         n = len(idx)
         for i in idx:
             others = [r[j] for j in idx if j != i]
@@ -144,7 +146,7 @@ def otb_ref(
             big_w[i, t] = acc
     adv = torch.zeros(rows, length, dtype=torch.float64)
     base = torch.zeros(rows, length, dtype=torch.float64)
-    for idx in _groups(group_ids).values():
+    for idx in _groups(group_ids, mask).values():
         at = {}  # column -> list of (row, t) active there
         for i in idx:
             for t in range(length):

@@ -179,6 +179,7 @@ def test_constant_energy_gives_mean_of_active_returns(c, loo, seed, sizes, lengt
     k = mask.cumsum(1) - 1
     for i in range(mask.shape[0]):
         peers = (batch["group_ids"] == batch["group_ids"][i]).nonzero().flatten().tolist()
+        peers = [j for j in peers if mask[j].any()]  # rows without a policy token are no members
         for t in range(length):
             if not mask[i, t]:
                 continue
@@ -249,7 +250,7 @@ def test_self_inclusive_baseline_is_a_convex_combination(seed, sizes, length, co
     mask = batch["mask"].bool()
     for gid in batch["group_ids"].unique():
         rows = batch["group_ids"] == gid
-        if rows.sum() < 2 or not mask[rows].any():
+        if mask[rows].any(dim=1).sum() < 2:  # fewer than two member rows: no baseline at all
             continue
         lo, hi = g[rows][mask[rows]].min(), g[rows][mask[rows]].max()
         vals = res.baselines.double()[rows][mask[rows]]
@@ -281,10 +282,12 @@ def test_empty_responses_and_all_masked_batch():
     assert empty.advantages.shape == (0, 3)
 
 
-def test_empty_response_still_counts_in_sequence_baselines():
+def test_empty_response_is_no_group_member():
+    # Issue 15 item 5 (changed rule): a row without a policy token is no member of its group, so the
+    # remaining row is a group of one and gets no baseline (it used to get 1 - 0.5).
     mask = torch.tensor([[1, 1], [0, 0]])
     res = otbrl.compute_advantages("dr_grpo", rewards=torch.tensor([1.0, 0.0]), mask=mask, group_ids=[0, 0])
-    assert res.advantages[0].tolist() == [0.5, 0.5]
+    assert res.advantages[0].tolist() == [1.0, 1.0]
 
 
 def test_zero_energy_falls_back_to_mean_without_nan():

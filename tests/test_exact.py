@@ -122,3 +122,63 @@ def test_bad_input(setup, call, match):
     model, ids, mask = setup
     with pytest.raises(ValueError, match=match):
         call(model, ids, mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Padded input (issue 15 item 9c): the model must not read padding as text.
+
+
+def test_left_padding_is_cut_off_with_the_attention_mask(setup):
+    model, ids, mask = setup
+    pads = [2, 0, 3]
+    # The same rows with padding in front: each row's scores must equal those of the unpadded row.
+    padded_ids = torch.cat([torch.full((3, 3), 7), ids], dim=1)
+    attention = torch.ones_like(padded_ids)
+    for b, p in enumerate(pads):
+        attention[b, : 3 - p] = 0
+        attention[b, 3 - p : 3] = 1  # real tokens: the row's own prompt continues there
+    real_ids = [padded_ids[b, 3 - p :] for b, p in enumerate(pads)]
+    got = score_sq_norms(model, padded_ids, mask, attention_mask=attention)
+    for b in range(3):
+        expected = reference(model, real_ids[b][None], mask[b : b + 1], 1.0)
+        torch.testing.assert_close(got[b : b + 1], expected)
+    # Without the attention mask the padding is read as text: a different (wrong) answer.
+    unmasked = score_sq_norms(model, padded_ids, mask)
+    assert (unmasked[0] - got[0]).abs().max() > 1e-6
+
+
+def test_otb_exact_takes_the_attention_mask(setup):
+    model, ids, mask = setup
+    padded_ids = torch.cat([torch.full((3, 2), 4), ids], dim=1)
+    attention = torch.ones_like(padded_ids)
+    attention[:, :2] = 0
+    kw = dict(rewards=torch.tensor([1.0, 0.0, 1.0]), mask=mask, group_ids=[0, 0, 0])
+    padded = dict(model=model, input_ids=padded_ids, attention_mask=attention)
+    got = otbrl.compute_advantages("otb_exact", **padded, **kw)
+    ref = otbrl.compute_advantages("otb_exact", model=model, input_ids=ids, **kw)
+    torch.testing.assert_close(got.advantages, ref.advantages)
+
+
+@pytest.mark.parametrize(
+    ("attention", "match"),
+    [
+        ([[1, 1, 0, 1, 1, 1, 1, 1, 1]] * 3, "attention_mask: padding must sit at either end"),
+        ([[0, 0, 0, 0, 1, 1, 1, 1, 1]] * 3, "mask: a policy token sits where attention_mask is 0"),
+        ([[1] * 8] * 3, "attention_mask: shape"),
+        ([[0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9], "first token"),
+    ],
+)
+def test_bad_attention_mask(setup, attention, match):
+    model, ids, mask = setup
+    with pytest.raises(ValueError, match=match):
+        score_sq_norms(model, ids, mask, attention_mask=torch.tensor(attention))
+
+
+def test_right_padding_after_the_response_changes_nothing(setup):
+    model, ids, mask = setup
+    padded_ids = torch.cat([ids, torch.full((3, 2), 3)], dim=1)
+    padded_mask = torch.cat([mask, torch.zeros(3, 2, dtype=mask.dtype)], dim=1)
+    attention = torch.ones_like(padded_ids)
+    attention[:, -2:] = 0
+    got = score_sq_norms(model, padded_ids, padded_mask, attention_mask=attention)
+    torch.testing.assert_close(got[:, :-2], score_sq_norms(model, ids, mask))

@@ -76,3 +76,15 @@ def test_frame_roundtrip():
     framed = to_frame(values, cols, width)
     assert framed[:, :3].tolist() == [[1.0, 2.0, 5.0], [7.0, 9.0, 10.0]]
     assert torch.equal(from_frame(framed, cols) * mask, values)
+
+
+def test_rows_of_matches_indexing_for_every_layout():
+    from otbrl.groups import rows_of
+
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(3, 5, generator=gen)
+    scale = torch.rand(6, 5, generator=gen)
+    for group in ([0, 0, 1, 1, 2, 2], [2, 2, 0, 0, 1, 1], [0, 1, 2, 0, 1, 2]):
+        group = torch.tensor(group)
+        expected = torch.stack([table[g] * scale[b] for b, g in enumerate(group.tolist())])
+        torch.testing.assert_close(rows_of(table, group, 3, scale), expected)

@@ -191,3 +191,31 @@ def test_missing_statistics_name_the_trainer_mode():
     del batch["old_log_probs"], batch["sum_pi_squared"]
     with pytest.raises(ValueError, match="trainer_mode=otbrl_sync"):
         core_algos.get_adv_estimator_fn("otbrl_otb")(**batch, config=None)
+
+
+@pytest.mark.parametrize("name", ["otbrl_otb_loo", "otbrl_tir_otb_loo"])
+def test_leave_one_out_false_contradicts_a_loo_name(name):
+    # It used to turn the "_loo" estimator silently into the self-inclusive form.
+    batch = verl_batch(1, [3, 4], 9, tool_tokens=name.startswith("otbrl_tir"))
+    estimator = core_algos.get_adv_estimator_fn(name)
+    config = OmegaConf.create({"otbrl": {"leave_one_out": False}})
+    with pytest.raises(ValueError, match="algorithm.otbrl.leave_one_out: false contradicts"):
+        estimator(**batch, config=config)
+    agreeing = OmegaConf.create({"otbrl": {"leave_one_out": True}})
+    torch.testing.assert_close(estimator(**batch, config=agreeing)[0], estimator(**batch, config=None)[0])
+
+
+def test_estimator_options_resolve_leave_one_out():
+    assert plugin.estimator_options("otbrl_otb", None) == {"leave_one_out": False}
+    assert plugin.estimator_options("otbrl_tir_otb_loo", {"otbrl": {"eps": 1e-6}}) == {
+        "leave_one_out": True,
+        "eps": 1e-6,
+    }
+    # The self-inclusive names may be switched (the documented way to pick LOO from the config).
+    assert plugin.estimator_options("otbrl_otb", {"otbrl": {"leave_one_out": True}})["leave_one_out"]
+    with pytest.raises(ValueError, match="contradicts adv_estimator 'otbrl_otb_loo'.*use 'otbrl_otb'"):
+        plugin.estimator_options("otbrl_otb_loo", {"otbrl": {"leave_one_out": False}})
+    with pytest.raises(ValueError, match="expected true or false"):
+        plugin.estimator_options("otbrl_otb", {"otbrl": {"leave_one_out": "false"}})
+    with pytest.raises(ValueError, match="name: unknown otbrl estimator"):
+        plugin.estimator_options("otb", None)

@@ -21,13 +21,14 @@ from otbrl.integrations.verl.common import (
     VERL_ESTIMATORS,
     token_stats,
 )
-from otbrl.integrations.verl.estimators import otbrl_options, register_estimators
+from otbrl.integrations.verl.estimators import estimator_options, otbrl_options, register_estimators
 
 __all__ = [
     "CHUNKED_ENV",
     "STATS_FIELD",
     "TRAINER_MODE",
     "VERL_ESTIMATORS",
+    "estimator_options",
     "otbrl_options",
     "register",
     "token_stats",

@@ -36,8 +36,32 @@ def otbrl_options(config: Any) -> dict[str, Any]:
     return options
 
 
-def _estimator(align: str, leave_one_out: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """An estimator with verl's calling convention for one (alignment, leave-one-out) choice."""
+def estimator_options(name: str, config: Any) -> dict[str, Any]:
+    """otb's options for the verl estimator `name` (a key of VERL_ESTIMATORS) under `config`.
+
+    The name decides what it says: the "_loo" names are the leave-one-out form, so
+    `algorithm.otbrl.leave_one_out: false` contradicts them and raises (true is allowed, as it agrees).
+    The other names are the self-inclusive form by default, and leave_one_out may switch them.
+    """
+    if name not in VERL_ESTIMATORS:
+        raise ValueError(f"name: unknown otbrl estimator {name!r} (known: {', '.join(VERL_ESTIMATORS)})")
+    pinned = VERL_ESTIMATORS[name][1]
+    options = otbrl_options(config)
+    value = options.setdefault("leave_one_out", pinned)
+    if not isinstance(value, bool):
+        raise ValueError(f"algorithm.otbrl.leave_one_out: expected true or false, got {value!r}")
+    if pinned and not value:
+        base = name.removesuffix("_loo")
+        raise ValueError(
+            f"algorithm.otbrl.leave_one_out: false contradicts adv_estimator {name!r}, the leave-one-out "
+            f"form; use {base!r} for the self-inclusive one, or drop the option"
+        )
+    return options
+
+
+def _estimator(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The verl estimator `name` (a key of VERL_ESTIMATORS) with verl's calling convention."""
+    align = VERL_ESTIMATORS[name][0]
 
     def estimate(
         token_level_rewards: torch.Tensor,
@@ -61,9 +85,8 @@ def _estimator(align: str, leave_one_out: bool) -> Callable[..., tuple[torch.Ten
                 "sum_pi_squared: otbrl's OTB needs per-token Σπ² and old log-probs; verl's default trainer "
                 f"does not pass them: set trainer.v1.trainer_mode={TRAINER_MODE} (see docs/verl.md)"
             )
-        options = otbrl_options(config)
+        options = estimator_options(name, config)
         use_is = options.pop("use_is_weights", True)
-        options.setdefault("leave_one_out", leave_one_out)
         mask = response_mask.bool()
         # Padding may hold anything (the stats come padded): read the statistics at policy tokens only.
         energy = token_energy_from_logprobs(
@@ -90,6 +113,6 @@ def register_estimators() -> None:
     """Register otbrl's estimators in verl's registry (idempotent)."""
     from verl.trainer.ppo import core_algos
 
-    for name, (align, loo) in VERL_ESTIMATORS.items():
+    for name in VERL_ESTIMATORS:
         if name not in core_algos.ADV_ESTIMATOR_REGISTRY:
-            core_algos.register_adv_est(name)(_estimator(align, loo))
+            core_algos.register_adv_est(name)(_estimator(name))
