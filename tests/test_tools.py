@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from otbrl.tools import CalculatorError, ToolResult, calculator, evaluate, run_python
+from otbrl.tools import CalculatorError, ToolResult, calculate, calculator, run_python
 
 # ---------------------------------------------------------------- calculator
 
@@ -36,7 +36,7 @@ def test_calculator_values(expression, expected):
 
 
 def test_evaluate_is_exact():
-    assert evaluate("1/3 + 1/6") == Fraction(1, 2)
+    assert calculate("1/3 + 1/6") == Fraction(1, 2)
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_calculator_errors_are_text(expression, message):
     text = calculator(expression)
     assert text.startswith("Error: ") and message in text
     with pytest.raises(CalculatorError):
-        evaluate(expression)
+        calculate(expression)
 
 
 def test_calculator_never_raises_on_non_strings():

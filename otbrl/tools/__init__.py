@@ -5,7 +5,7 @@ does `run_python(code, timeout_s=2, memory_mb=256, max_output_bytes=2000).to_tex
 `calculator(expression)`; both return text for the model and never raise.
 """
 
-from otbrl.tools.calculator import CalculatorError, calculator, evaluate
+from otbrl.tools.calculator import CalculatorError, calculate, calculator
 from otbrl.tools.sandbox import ToolResult, run_python
 
-__all__ = ["CalculatorError", "ToolResult", "calculator", "evaluate", "run_python"]
+__all__ = ["CalculatorError", "ToolResult", "calculate", "calculator", "run_python"]

@@ -7,7 +7,7 @@ input cannot hang the trainer: at most `MAX_CHARS` characters, and every interme
 and denominator) at most `MAX_BITS` bits -- `9**9**9` is rejected before it is computed. A non-integer
 power (`2 ** 0.5`) is computed in floating point.
 
-`evaluate` returns the exact value or raises `CalculatorError`; `calculator` is the tool: it returns
+`calculate` returns the exact value or raises `CalculatorError`; `calculator` is the tool: it returns
 the result as text, or "Error: ..." text, and never raises.
 """
 
@@ -18,7 +18,7 @@ import math
 from decimal import Context, Decimal
 from fractions import Fraction
 
-__all__ = ["CalculatorError", "calculator", "evaluate"]
+__all__ = ["CalculatorError", "calculator", "calculate"]
 
 MAX_CHARS = 1000
 MAX_BITS = 4096  # about 1233 decimal digits
@@ -46,7 +46,7 @@ class CalculatorError(ValueError):
     """The expression is not plain arithmetic, or cannot be evaluated (division by zero, too large)."""
 
 
-def evaluate(expression: str) -> Fraction:
+def calculate(expression: str) -> Fraction:
     """The exact value of an arithmetic expression (see the module docstring)."""
     if not isinstance(expression, str):
         raise CalculatorError("the expression must be a string")
@@ -65,7 +65,7 @@ def evaluate(expression: str) -> Fraction:
 def calculator(expression: str) -> str:
     """The tool: the value as text (an integer, or a decimal), or 'Error: <why>'. Never raises."""
     try:
-        return format_number(evaluate(expression))
+        return format_number(calculate(expression))
     except CalculatorError as e:
         return f"Error: {e}"
     except Exception as e:  # noqa: BLE001 - a tool must not raise into the trainer
