@@ -61,10 +61,20 @@ def length_reward(prompts: list, completions: list, **kwargs: Any) -> list[float
     return [-len(c) / 16 for c in completions]
 
 
+_single_calls = 0
+
+
 def unreachable_on_rank1(prompts: list, completions: list, **kwargs: Any) -> list[float]:
-    """A verifier that works on rank 0 and raises on rank 1 (say, a service one node cannot reach)."""
+    """A verifier that works on rank 0 and, on rank 1, fails on a batch and then on every third sample
+    scored alone (say, a flaky service one node reaches badly): failures on one rank only, never a whole
+    batch nor half of the samples (either would stop the run)."""
+    global _single_calls
     if os.environ.get("RANK") == "1":
-        raise ConnectionError("verifier unreachable")
+        if len(prompts) > 1:
+            raise ConnectionError("verifier unreachable")
+        _single_calls += 1
+        if _single_calls % 3 == 0:
+            raise ConnectionError("verifier unreachable")
     return [0.0 for _ in completions]
 
 
