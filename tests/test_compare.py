@@ -192,3 +192,14 @@ def test_no_target_when_the_reference_does_not_improve(tmp_path) -> None:
     res = analyse(exp, runs)  # 90% of big's final (0.405) is below where it started (0.5): no target
     assert res["target"] is None and "did not improve" in res["note"]
     assert res["arms"]["small"]["tokens_to_target"] == []
+
+
+@pytest.mark.parametrize("name", experiment_names())
+def test_quick_settings_win_over_each_arms_own(tmp_path, name) -> None:
+    """--quick is a smoke run: an arm's own max_steps (150 for efficiency's N=4 arms) must not undo it."""
+    quick = load_experiment(name, quick=True)
+    forced = quick.forced
+    assert forced, f"{name}: its quick section changes nothing"
+    for run in plan(quick, tmp_path):
+        for key, value in forced.items():
+            assert run.overrides[key] == value, (run.arm, key)

@@ -71,7 +71,7 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     run_minutes = sum(r["train_seconds"] for runs in result["runs"].values() for r in runs) / 60
     md, png = results / f"{exp.name}.md", results / f"{exp.name}.png"
     plot_arms(result, png, f"{exp.name}: {exp.description}".strip(": "), _smoothing(exp))
-    base = load_recipe(exp.recipe, exp.common)
+    base = load_recipe(exp.recipe, {**exp.common, **exp.forced})
     setting = ", ".join(
         f"{k} {base[k]}" for k in ("task", "model", "learning_rate", "max_steps", "max_completion_length",
                                    "temperature") if k in base

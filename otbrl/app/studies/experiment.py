@@ -39,6 +39,8 @@ class Experiment:
     # role -> an arm, a list of arms, or a mapping to more of them (see `arm_names`); read by otbrl claims
     roles: dict[str, Any] = field(default_factory=dict)
     common: dict[str, Any] = field(default_factory=dict)
+    # --quick's overrides: they win over every arm's own (an arm's max_steps must not undo a smoke run)
+    forced: dict[str, Any] = field(default_factory=dict)
     prompts_per_step: int | None = None
     target_fraction: float = 0.9
     collapse_fraction: float = 0.5
@@ -88,7 +90,7 @@ def _check_roles(path: Path, exp: Experiment) -> None:
 
 
 def _apply_quick(path: Path, exp: Experiment, section: dict[str, Any]) -> None:
-    exp.common = {**exp.common, **section.get("common", {})}
+    exp.forced = dict(section.get("common", {}))
     exp.seeds = list(section.get("seeds", exp.seeds[:1]))
     keep = section.get("arms")
     if keep:
@@ -136,7 +138,7 @@ def plan(exp: Experiment, out: Path) -> list[Run]:
     runs = []
     for arm, arm_overrides in exp.arms.items():
         for seed in exp.seeds:
-            overrides = {**exp.common, **(arm_overrides or {})}
+            overrides = {**exp.common, **(arm_overrides or {}), **exp.forced}
             if exp.prompts_per_step and "per_device_train_batch_size" not in overrides:
                 n = overrides.get("num_generations") or load_recipe(exp.recipe)["num_generations"]
                 overrides["per_device_train_batch_size"] = exp.prompts_per_step * int(n)
