@@ -9,6 +9,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -300,3 +302,160 @@ def test_shipped_checkpoint_stands_in_for_the_cache(tmp_path, monkeypatch):
     )  # a bigger budget rebuilds
     assert not info["cached"] and (cache / next(shipped.iterdir()).name / "info.json").is_file()
     assert sorted(p.name for p in shipped.rglob("*")) == before  # ... into the cache, never the package
+
+
+# ----------------------------------------------------------------------------------------------------------
+# walk: a horizon the policy chooses
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _walk_ok(text: str, start: int, target: int) -> bool:
+    """Reference judge of a walk, written out by hand: two-digit positions, ',' between, '.' at the end,
+    first = start, last = target, every step exactly 1."""
+    if not text.endswith("."):
+        return False
+    parts = text[:-1].split(",")
+    for p in parts:
+        if len(p) != 2 or p[0] not in "0123456789" or p[1] not in "0123456789":
+            return False
+    positions = [int(p) for p in parts]
+    if positions[0] != start or positions[-1] != target:
+        return False
+    for i in range(1, len(positions)):
+        if abs(positions[i] - positions[i - 1]) != 1:
+            return False
+    return True
+
+
+def test_walk_examples_match_the_documented_format():
+    for row in dataset("walk", 300, seed=1):
+        start, target = (int(x) for x in row["prompt"][:-1].split(" to "))
+        assert row["prompt"] == f"{start:02d} to {target:02d}:" and 8 <= abs(target - start) <= 28
+        positions = [int(p) for p in row["answer"][:-1].split(",")]
+        step = 1 if target > start else -1
+        assert positions == list(range(start, target + step, step))  # the direct walk
+        assert row["answer"] == ",".join(f"{p:02d}" for p in positions) + "."
+
+
+def test_walk_demonstrations_earn_reward_and_fit_the_budget():
+    import random
+
+    task, rng = TASKS["walk"], random.Random(0)
+    for row in dataset(task, 200, seed=3):
+        start, target = (int(x) for x in row["prompt"][:-1].split(" to "))
+        for _ in range(5):
+            segments = task.demonstrate(row["prompt"], row["answer"], rng)
+            assert len(segments) == 1 and segments[0][1]  # all of it is the model's own text
+            text = segments[0][0]
+            assert _walk_ok(text, start, target) and task.reward(text, row["answer"]) == 1.0
+            assert len(text) + 1 <= task.max_completion_tokens  # eos included
+            positions = [int(p) for p in text[:-1].split(",")]
+            assert all(0 <= p <= 99 for p in positions)
+            assert target not in positions[:-1]  # a demonstration stops at its first visit
+
+
+def test_walk_demonstration_lengths_vary_within_a_prompt():
+    import random
+    import statistics
+
+    task, rng = TASKS["walk"], random.Random(1)
+    lengths_all, cvs = [], []
+    for row in dataset(task, 40, seed=4):
+        lengths = [len(task.demonstrate(row["prompt"], row["answer"], rng)[0][0]) + 1 for _ in range(32)]
+        cvs.append(statistics.pstdev(lengths) / statistics.fmean(lengths))
+        lengths_all += lengths
+        assert min(lengths) == len(row["answer"]) + 1  # the direct walk is among them ...
+    assert statistics.fmean(cvs) >= 0.3  # ... and wandering ones, much longer
+    assert statistics.median(lengths_all) >= 64 and max(lengths_all) > 150
+
+
+def test_walk_reward_rejects_wrong_walks():
+    task = TASKS["walk"]
+    answer = "37,38,39,40."
+    assert task.reward("37,38,39,40.", answer) == 1.0
+    assert task.reward("37,36,37,38,39,40,41,40.", answer) == 1.0  # detours and overshoots are fine
+    for wrong in [
+        "37,38,39,40",  # cut off: no final '.'
+        "37,38,39,41.",  # ends off target
+        "38,39,40.",  # does not begin at the start
+        "37,39,40.",  # a step of 2
+        "37,38,38,39,40.",  # standing still
+        "37,38,39,40.40.",
+        "37,38,39,4.",  # one-digit position
+        "37,38,39,040.",
+        "37, 38,39,40.",
+        "37,38,39,40,.",
+        "40.",
+        ".",
+    ]:
+        assert task.reward(wrong, answer) == 0.0, wrong
+    with pytest.raises(ValueError, match="answer"):
+        task.reward("37.", "not a walk")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    start=st.integers(0, 99),
+    target=st.integers(0, 99),
+    steps=st.lists(st.sampled_from([-2, -1, -1, 0, 1, 1, 2]), max_size=12),
+    end=st.sampled_from([".", "", ",", ".."]),
+)
+def test_walk_reward_matches_a_hand_written_judge(start, target, steps, end):
+    positions = [start]
+    for s in steps:
+        positions.append(positions[-1] + s)
+    if any(not 0 <= p <= 99 for p in positions):
+        return
+    text = ",".join(f"{p:02d}" for p in positions) + end
+    answer = ",".join(f"{p:02d}" for p in (start, target)) + "."  # only its ends matter
+    assert TASKS["walk"].reward(text, answer) == float(_walk_ok(text, start, target))
+
+
+def test_length_chunks_give_the_one_batch_gradient_step():
+    """Warm-start steps on rows of very different lengths run as length-sorted chunks: the update must be
+    the one-padded-batch update. Reference: one row at a time in float64, summed by hand."""
+    import copy
+    import random
+
+    from otbrl.tasks.warmstart import _length_chunks, _train_step, supervised_batch
+
+    tok, task, rng = char_tokenizer(), TASKS["walk"], random.Random(2)
+    rows = []
+    for row in dataset(task, 16, seed=5):
+        rows.append({**row, "segments": task.demonstrate(row["prompt"], row["answer"], rng)})
+    chunks = _length_chunks(tok, rows)
+    assert len(chunks) > 1 and sorted(map(id, sum(chunks, []))) == sorted(map(id, rows))
+    fixed = [{"prompt": "12+34=", "answer": "64"}] * 16
+    assert _length_chunks(tok, fixed) == [fixed]  # fixed-format rows: one batch, as before
+
+    model = tiny_model("tiny", vocab_size=len(tok), seed=3).double()
+    reference = copy.deepcopy(model).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = _train_step(model, opt, tok, rows)
+
+    total_nll, total_trained = 0.0, 0.0
+    for row in rows:  # each row alone: no padding at all
+        ids, attn, target = supervised_batch(tok, [row])
+        logits = reference(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        total_nll = total_nll + (nll * target).sum()
+        total_trained += float(target.sum())
+    ref_loss = total_nll / total_trained
+    ref_loss.backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+    # _train_step takes the loss in float32 (`.float()` on the logits): agreement to float32 rounding
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_shipped_walk_warm_start_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("OTBRL_CACHE", str(tmp_path))  # an empty cache: only the shipped one can answer
+    start = time.perf_counter()
+    model, tok, info = warm_start("walk", log=None)
+    assert info["cached"] and info["reached"] and info["reward"] >= 0.3
+    assert time.perf_counter() - start < 30 and not any(tmp_path.iterdir())  # loaded, nothing trained
+    assert model.config.vocab_size == len(tok)

@@ -7,6 +7,7 @@ answer. `TASKS` is the registry; `dataset` gives TRL-style rows `{"prompt", "ans
 from __future__ import annotations
 
 import random
+import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,6 +130,78 @@ def tool_answer_reward(completion: str, answer: str) -> float:
     return float(clean(completion).rpartition(";")[2] == answer)
 
 
+# A walk on the number line 00..99 whose length is the policy's choice: the answer is any walk of unit
+# steps from the start to the target, so detours make a completion long, and (for a model that slips
+# now and then) likely wrong or cut off by the token budget.
+WALK_MIN_DISTANCE, WALK_MAX_DISTANCE = 8, 28
+WALK_MAX_TOKENS = 240  # completion budget, eos included: 79 positions at 3 characters each + eos
+WALK_DETOUR = 0.5  # share of demonstrations that wander; the rest walk straight to the target
+WALK_BACK, WALK_BACK_AGAIN = 0.15, 0.6  # a wanderer's chance of a step away, after a forward / a back step
+
+
+def make_walk(rng: random.Random) -> tuple[str, str]:
+    """`"37 to 52:"` -> `"37,38,...,52."`: two positions in 00..99, 8 to 28 apart; the answer is the
+    direct walk, start and target included (two digits a position, `,` between, `.` at the end)."""
+    distance = rng.randint(WALK_MIN_DISTANCE, WALK_MAX_DISTANCE)
+    low = rng.randint(0, 99 - distance)
+    start, target = (low, low + distance) if rng.random() < 0.5 else (low + distance, low)
+    step = 1 if target > start else -1
+    return f"{start:02d} to {target:02d}:", format_walk(list(range(start, target + step, step)))
+
+
+def format_walk(positions: list[int]) -> str:
+    """`[37, 38, 37]` -> `"37,38,37."`."""
+    return ",".join(f"{p:02d}" for p in positions) + "."
+
+
+def parse_walk(text: str) -> list[int] | None:
+    """The positions of a well-formed walk text (`format_walk`'s output), else None."""
+    if not re.fullmatch(r"\d\d(,\d\d)*\.", text):
+        return None
+    return [int(p) for p in text[:-1].split(",")]
+
+
+def walk_reward(completion: str, answer: str) -> float:
+    """Outcome-only reward: 1.0 iff the completion is a well-formed walk that begins at the answer's
+    first position (the start), moves by exactly 1 each step and ends at the answer's last (the target).
+    Detours and passing through the target on the way are allowed; a walk cut off by the budget has no
+    final `.` and earns 0."""
+    walk, ref = parse_walk(clean(completion)), parse_walk(answer)
+    if ref is None:
+        raise ValueError(f"answer: not a walk: {answer!r}")
+    if walk is None or walk[0] != ref[0] or walk[-1] != ref[-1]:
+        return 0.0
+    return float(all(abs(b - a) == 1 for a, b in zip(walk, walk[1:], strict=False)))
+
+
+def wandering_walk(start: int, target: int, rng: random.Random) -> list[int]:
+    """A walk from `start` to `target` inside 00..99 that steps away from the target with probability
+    `WALK_BACK` after a step towards it and `WALK_BACK_AGAIN` after a step away (so detours come in
+    runs: long-tailed lengths), stopping at the first visit of the target."""
+    positions, back = [start], False
+    while positions[-1] != target:
+        here = positions[-1]
+        toward = 1 if target > here else -1
+        back = rng.random() < (WALK_BACK_AGAIN if back else WALK_BACK) and 0 <= here - toward <= 99
+        positions.append(here - toward if back else here + toward)
+    return positions
+
+
+def demonstrate_walk(prompt: str, answer: str, rng: random.Random) -> list[tuple[str, bool]]:
+    """A warm start's target: the direct walk (`answer`) half the time, otherwise a wandering walk
+    (`wandering_walk`) that fits the token budget, so the imitating policy's lengths vary widely for
+    one prompt. Every demonstration earns `walk_reward` 1."""
+    ref = parse_walk(answer)
+    if ref is None:
+        raise ValueError(f"answer: not a walk: {answer!r}")
+    if rng.random() < WALK_DETOUR:
+        for _ in range(20):  # resample the rare walk too long for the budget
+            walk = wandering_walk(ref[0], ref[-1], rng)
+            if 3 * len(walk) + 1 <= WALK_MAX_TOKENS:
+                return [(format_walk(walk), True)]
+    return [(answer, True)]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # registry
 # ---------------------------------------------------------------------------------------------------------
@@ -174,6 +247,15 @@ TASKS: dict[str, Task] = {
             tools=("calc",),
             max_turns=3,
             demonstrate=demonstrate_product3,
+        ),
+        Task(
+            name="walk",
+            description="walk the number line from start to target in unit steps: '37 to 52:' -> "
+            "'37,38,...,52.' (any walk counts; demonstrations half wander, so lengths vary: 9-240 tokens)",
+            max_completion_tokens=WALK_MAX_TOKENS,
+            make=make_walk,
+            reward=walk_reward,
+            demonstrate=demonstrate_walk,
         ),
     )
 }
