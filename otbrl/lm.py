@@ -34,6 +34,13 @@ WAY_OUT = (
 )
 
 
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) position ids of left- (or right-) padded rows, as generation numbers them: each row's first
+    real token is at 0. Models with absolute position embeddings score a padded row differently
+    without them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def predicting(outputs: torch.Tensor, n: int) -> torch.Tensor:
     """(B, L, ...) per-position outputs (logits or hidden states) of a causal LM run over L tokens ->
     (B, n, ...): the outputs at the positions that predict the last n of those tokens."""
@@ -177,8 +184,9 @@ def final_hidden(
     handle = decoder_of(model).register_forward_hook(grab)
     try:
         out = model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=logits_to_keep
-        )
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask),
+            use_cache=False, logits_to_keep=logits_to_keep,
+        )  # fmt: skip
     finally:
         handle.remove()
     if len(seen) != 1:
@@ -270,20 +278,36 @@ def completion_energy(
         )
     check_temperature(temperature)
     rows = rows or max(1, input_ids.shape[0])
-    tokens = input_ids[:, input_ids.shape[1] - n :]
     head = base_model(model).get_output_embeddings()
     transform = head_transform(base_model(model))
     out = []
-    for r0 in range(0, input_ids.shape[0], rows):
-        ids, attn, y = input_ids[r0 : r0 + rows], attention_mask[r0 : r0 + rows], tokens[r0 : r0 + rows]
-        if from_logits:
-            logits = model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=n + 1).logits
-            out.append(token_energy(predicting(logits, n), y, temperature).float())
-        else:
-            hidden, _ = final_hidden(model, ids, attn)
-            out.append(head_energy(head, transform, predicting(hidden, n), y, temperature))
+    # As sampled: no dropout (a training-mode forward would score a random perturbation of the policy).
+    was_training = model.training
+    model.eval()
+    try:
+        for r0 in range(0, input_ids.shape[0], rows):
+            out.append(_rows_energy(model, input_ids[r0 : r0 + rows], attention_mask[r0 : r0 + rows], n,
+                                    temperature, from_logits, head, transform))  # fmt: skip
+    finally:
+        model.train(was_training)
     energy = torch.cat(out) if out else torch.zeros(0, n, device=input_ids.device)
     return torch.where(attention_mask[:, input_ids.shape[1] - n :].bool(), energy, 0.0)  # even over NaN
+
+
+def _rows_energy(
+    model: Any, ids: torch.Tensor, attn: torch.Tensor, n: int, temperature: float, from_logits: bool,
+    head: torch.nn.Module, transform: HeadTransform,
+) -> torch.Tensor:
+    """(rows, n) energy of the last n tokens of `ids`, from one call of the model."""
+    y = ids[:, ids.shape[1] - n :]
+    if from_logits:
+        logits = model(
+            input_ids=ids, attention_mask=attn, position_ids=positions(attn), use_cache=False,
+            logits_to_keep=n + 1,
+        ).logits  # fmt: skip
+        return token_energy(predicting(logits, n), y, temperature).float()
+    hidden, _ = final_hidden(model, ids, attn)
+    return head_energy(head, transform, predicting(hidden, n), y, temperature)
 
 
 @torch.no_grad()

@@ -327,3 +327,39 @@ def test_zero3_head_is_gathered_for_the_read(monkeypatch):
         p.data, p.ds_status = p.ds_full, ZeroParamStatus.AVAILABLE
     head_energy(head, HeadTransform(), hidden, tokens, 0.7)
     assert len(calls) == 1
+
+
+def test_left_padded_rows_keep_their_positions():
+    """A model with absolute position embeddings (GPT-2) numbers each row's first real token 0 when it
+    generates; a left-padded row scored without position ids would be scored at shifted positions."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)  # tied to the embedding: sharpens both
+    g = torch.Generator().manual_seed(1)
+    row = torch.randint(3, VOCAB, (1, 10), generator=g)
+    pad = 4
+    padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), row], 1)
+    attention = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(row)], 1)
+    n = 5
+    alone = completion_energy(model, row, torch.ones_like(row), n, TEMPERATURE)
+    in_batch = completion_energy(model, padded, attention, n, TEMPERATURE)
+    reference = model_reference(model, row, torch.ones_like(row), n, TEMPERATURE)
+    torch.testing.assert_close(alone.double(), reference, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(in_batch.double(), reference, rtol=1e-4, atol=1e-6)
+
+
+def test_energy_forward_runs_without_dropout():
+    """The energy of the policy as sampled: a model left in training mode (as inside a Trainer) with
+    dropout gives the eval-mode energy, and stays in training mode afterwards."""
+    config_cls, model_cls, _ = FAMILIES["qwen2"]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**COMMON, "attention_dropout": 0.5})
+    model = getattr(transformers, model_cls)(config)
+    ids, attention = _batch(model.eval(), n=5)
+    expected = completion_energy(model, ids, attention, 5, TEMPERATURE)
+    model.train()
+    got = completion_energy(model, ids, attention, 5, TEMPERATURE)
+    assert model.training
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
