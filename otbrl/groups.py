@@ -135,7 +135,7 @@ def rows_of(
         width = table.shape[-1]
         blocks = scale.reshape(n_groups, n, width)
         if out is None:
-            return (table[:, None, :] * blocks).view(scale.shape)
+            return (table[:, None, :] * blocks).reshape(scale.shape)  # any strides (a transposed mask)
         torch.mul(table[:, None, :], blocks, out=out.view(n_groups, n, width))
         return out
     rows = table.index_select(0, group) if out is None else torch.index_select(table, 0, group, out=out)

@@ -140,10 +140,17 @@ def check_temperature(temperature: Any) -> float:
     return float(value)
 
 
+def _is_float64(dtype: Any) -> bool:
+    """A torch or numpy dtype that is float64 (a numpy float64 array counts as float64 input)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype == torch.float64
+    return isinstance(dtype, np.dtype) and dtype == np.float64
+
+
 def compute_dtype(*values: Any) -> torch.dtype:
     """The one precision rule of otbrl: float64 if any given tensor (or dtype) is float64, else float32
     (whatever lower precision came in: bf16 and fp16 are accumulated in float32)."""
-    wide = any(getattr(v, "dtype", v) == torch.float64 for v in values)
+    wide = any(_is_float64(getattr(v, "dtype", v)) for v in values)
     return torch.float64 if wide else torch.float32
 
 
@@ -294,7 +301,7 @@ def make_rollouts(*, rewards: Any, mask: Any, group_ids: Any, energy: Any = None
     group, n_groups = dense_group_index(group_ids, mask.shape[0], mask.device)
     dtype = compute_dtype(rewards, energy)
     while True:
-        values = given if given.dtype == dtype else as_values(mask, dtype)
+        values = given.detach() if given.dtype == dtype else as_values(mask, dtype)
         returns, outcome, largest = _rewards(rewards, mask, dtype, values)
         w = None
         if energy is not None:

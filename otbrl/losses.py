@@ -116,6 +116,8 @@ def policy_gradient_loss_with_stats(
     clip = _check_clip(clip_eps)
     constant = _check_aggregation(aggregation, normaliser, keep.shape[-1])
     dtype = compute_dtype(logprobs, advantages, old_logprobs)
+    if isinstance(advantages, torch.Tensor):
+        advantages = advantages.detach()  # a value head behind them must not receive the policy's gradient
     adv = check_token_values("advantages", advantages, keep, dtype=dtype)  # zero where mask is False
     # Zero the masked entries before any arithmetic, so padding (-inf or NaN log-probs) cannot leak NaN
     # into the gradient through exp() below.

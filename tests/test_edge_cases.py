@@ -210,3 +210,31 @@ def test_inputs_are_not_modified(name):
     otbrl.compute_advantages(name, **batch, **({"is_weights": torch.ones(6, 5)} if name == "otb" else {}))
     for k, v in batch.items():
         assert torch.equal(v, before[k]), k
+
+
+def test_transposed_mask_with_leave_one_out():
+    """A column-major mask (numpy .T, Fortran order) in the usual block-per-group layout."""
+    mask = torch.ones(3, 4).T
+    res = otbrl.compute_advantages(
+        "otb", rewards=[1.0, 0.0, 1.0, 0.0], mask=mask, group_ids=[0, 0, 1, 1], energy=torch.ones(4, 3),
+        leave_one_out=True,
+    )  # fmt: skip
+    expected = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None].expand(4, 3)  # baseline: the other's return
+    torch.testing.assert_close(res.advantages, expected)
+
+
+def test_a_mask_that_requires_grad_gives_plain_outputs():
+    mask = torch.ones(2, 3, requires_grad=True)
+    for name, scale in (("otb", 1.0), ("grpo", 2**0.5)):  # grpo divides by the std, 1 / sqrt(2)
+        res = otbrl.compute_advantages(
+            name, rewards=[1.0, 0.0], mask=mask, group_ids=[0, 0], energy=torch.ones(2, 3)
+        )
+        assert res.advantages.grad_fn is None
+        torch.testing.assert_close(res.advantages[:, 0], torch.tensor([0.5, -0.5]) * scale, rtol=1e-5, atol=0)
+
+
+def test_numpy_float64_rewards_are_float64_input():
+    """1e8 + 1 and 1e8 differ in float64, not in float32."""
+    rewards = np.array([1e8 + 1, 1e8])
+    res = otbrl.compute_advantages("dr_grpo", rewards=rewards, mask=torch.ones(2, 1), group_ids=[0, 0])
+    torch.testing.assert_close(res.advantages[:, 0], torch.tensor([0.5, -0.5]))

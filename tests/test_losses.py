@@ -302,3 +302,12 @@ def test_bad_input_names_the_argument():
         policy_gradient_loss(lp, adv, torch.full((2, 3), 0.5))
     with pytest.raises(ValueError, match="^mask:"):
         policy_gradient_loss(lp, adv, torch.ones(6))
+
+
+def test_no_gradient_flows_into_the_advantages():
+    """Advantages may come from a value head: the policy loss must not train it."""
+    logprobs = torch.zeros(2, 3, requires_grad=True)
+    advantages = torch.ones(2, 3, requires_grad=True)
+    otbrl.policy_gradient_loss(logprobs, advantages, torch.ones(2, 3)).backward()
+    assert advantages.grad is None
+    torch.testing.assert_close(logprobs.grad, torch.full((2, 3), -1 / 6))
