@@ -346,3 +346,15 @@ def test_peft_lora_energy_is_the_adapted_models(tmp_path, num_iterations):
     policy = record["out"]["completion_mask"].bool()
     assert ((without - reference).abs()[policy] / reference[policy]).max() > 1e-2  # the adapter matters
     torch.testing.assert_close(record["energy"].double(), reference, rtol=1e-3, atol=1e-5)
+
+
+def test_vision_inputs_are_refused_on_the_forward_path():
+    """The energy forward passes ids and masks only: a vision-language batch would lose its images, so
+    it is refused with the way out (TRL's old-log-prob pass sees them)."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(energy_from_logits=False)
+    trainer = SimpleNamespace(_sampled_energy=None, _tapped=None, args=args)
+    out = {"pixel_values": torch.zeros(1, 3, 4, 4), "completion_ids": torch.zeros(1, 2, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"vision inputs \(pixel_values\).*num_iterations > 1"):
+        OTBGRPOTrainer._batch_energy(trainer, out, torch.ones(1, 2))

@@ -62,6 +62,10 @@ def _tap_log_sum_sq(model: Any, temperature: float, cast_lm_head_to_fp32: bool, 
     model.forward = forward
 
 
+# Inputs TRL hands a vision-language model next to the ids (its multimodal forward takes them).
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
+
+
 class OTBGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose loss receives (B, T) advantages from any otbrl estimator."""
 
@@ -164,6 +168,13 @@ class OTBGRPOTrainer(GRPOTrainer):
             energy = otbrl.token_energy_from_logprobs(out["old_per_token_logps"].float(), log_sum_sq.exp())
             self.energy_source = "old_logps"
         else:
+            images = sorted(k for k in VISION_INPUTS if out.get(k) is not None)
+            if images:  # the energy forward takes ids and masks only: the images would be missing
+                raise ValueError(
+                    f"OTBGRPOTrainer: this batch has vision inputs ({', '.join(images)}), which the energy "
+                    "forward does not pass to the model; set num_iterations > 1 so that the energy comes "
+                    "from TRL's old-log-prob pass, which sees them"
+                )
             if not self.args.energy_from_logits:
                 self._check_head_once()
             energy = self.token_energy(
