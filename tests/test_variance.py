@@ -16,6 +16,7 @@ from otbrl.app.studies import gradients as gr
 from otbrl.app.studies import gradstats as gs
 from otbrl.app.studies import variance as v
 from otbrl.app.studies.variance_report import matching_group_size
+from otbrl.rollout import Samples
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def setup():
     return model, r
 
 
-def per_token_scores(model: torch.nn.Module, r: gr.Rollout) -> dict[tuple[int, int], list[torch.Tensor]]:
+def per_token_scores(model: torch.nn.Module, r: Samples) -> dict[tuple[int, int], list[torch.Tensor]]:
     """(row, t) -> grad log pi(y_t), each from its own forward pass on the unpadded prefix."""
     params = [p for p in model.parameters() if p.requires_grad]
     width = r.mask.shape[1]

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from otbrl import lm
 from otbrl.energy import token_energy
 
 
@@ -40,6 +41,22 @@ class Samples:
     group_ids: torch.Tensor
     texts: list[str]
     energy: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None  # (B,) once scored (the sampler does not score)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """(B, P + T) prompt then completion: what a teacher-forced forward over the rollout reads."""
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """(B, P + T) 1 on real prompt and generated tokens."""
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, T) policy tokens, aligned with the last T columns of `input_ids` (the estimators' mask)."""
+        return self.completion_mask
 
 
 class Decoded(NamedTuple):
@@ -114,7 +131,7 @@ def decode(
     batch = prompt_ids.shape[0]
     budget = torch.as_tensor(max_new_tokens, device=device).expand(batch)
     attention_mask = prompt_mask
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: first real token at 0
+    positions = lm.positions(prompt_mask)  # left padding: first real token at 0
     cache = DynamicCache(config=model.config)
     out = model(
         input_ids=prompt_ids,

@@ -7,35 +7,24 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import otbrl
 from otbrl.energy import token_energy
 from otbrl.exact import score_sq_norms
-from otbrl.lm import predicting
+from otbrl.lm import positions, predicting
+
+if TYPE_CHECKING:
+    from otbrl.rollout import Samples
 
 # label -> (registered estimator, its options, which energy it reads: None, "proxy" or "exact")
 Setting = tuple[str, dict[str, Any], str | None]
 
 
-@dataclass
-class Rollout:
-    """B rows, each prompt's samples consecutive. input_ids / attention_mask (B, L): left-padded prompt,
-    then the completion; mask (B, T): policy tokens, aligned with the last T columns; logprobs (B, T):
-    the sampler's log pi of each policy token; rewards, group_ids (B,)."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    mask: torch.Tensor
-    logprobs: torch.Tensor
-    rewards: torch.Tensor
-    group_ids: torch.Tensor
-
-
-def draw(model: Any, tokenizer: Any, task: Any, rows: list[dict], n: int, gen: torch.Generator) -> Rollout:
+def draw(model: Any, tokenizer: Any, task: Any, rows: list[dict], n: int, gen: torch.Generator) -> Samples:
     """Sample n completions of each row's prompt at temperature 1 and score them."""
     from otbrl.rollout import sample
 
@@ -45,14 +34,7 @@ def draw(model: Any, tokenizer: Any, task: Any, rows: list[dict], n: int, gen: t
     rewards = [
         task.reward(text, rows[g]["answer"]) for text, g in zip(s.texts, s.group_ids.tolist(), strict=True)
     ]
-    return Rollout(
-        input_ids=torch.cat([s.prompt_ids, s.completion_ids], dim=1),
-        attention_mask=torch.cat([s.prompt_mask, s.completion_mask], dim=1),
-        mask=s.completion_mask,
-        logprobs=s.logprobs,
-        rewards=torch.tensor(rewards),
-        group_ids=s.group_ids,
-    )
+    return replace(s, rewards=torch.tensor(rewards))
 
 
 @dataclass
@@ -76,18 +58,18 @@ class Bench:
         yield
         self.seconds[phase] += time.perf_counter() - start
 
-    def batch(self, n: int) -> Rollout:
+    def batch(self, n: int) -> Samples:
         with self.timed("sampling"):
             return draw(self.model, self.tokenizer, self.task, [next(self.pool) for _ in range(self.prompts)],
                         n, self.gen)  # fmt: skip
 
 
-def token_logprobs(model: torch.nn.Module, r: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(model: torch.nn.Module, r: Samples) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) log pi(y_t) of the policy tokens, with autograd graph, and their proxy energy w_t (no graph);
     both 0 where mask == 0. Positions skip the left padding, as in the sampler."""
-    positions = (r.attention_mask.cumsum(-1) - 1).clamp(min=0)
     width = r.mask.shape[1]
-    out = model(input_ids=r.input_ids, attention_mask=r.attention_mask, position_ids=positions)
+    attention = r.attention_mask
+    out = model(input_ids=r.input_ids, attention_mask=attention, position_ids=positions(attention))
     logits = predicting(out.logits, width)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     tokens = r.input_ids[:, -width:]
@@ -96,7 +78,7 @@ def token_logprobs(model: torch.nn.Module, r: Rollout) -> tuple[torch.Tensor, to
     return torch.where(keep, logp, 0.0), torch.where(keep, token_energy(logits.detach(), tokens), 0.0)
 
 
-def exact_energy(model: torch.nn.Module, r: Rollout) -> torch.Tensor:
+def exact_energy(model: torch.nn.Module, r: Samples) -> torch.Tensor:
     """(B, T) float64 exact ||grad_theta log pi(y_t)||^2. score_sq_norms runs the model without an
     attention mask, so rows are grouped by their left padding and called with it cut off."""
     lead = (r.attention_mask.cumsum(-1) == 0).sum(-1)
@@ -108,7 +90,7 @@ def exact_energy(model: torch.nn.Module, r: Rollout) -> torch.Tensor:
 
 
 def estimator_advantages(
-    r: Rollout, settings: dict[str, Setting], energy: dict[str, torch.Tensor]
+    r: Samples, settings: dict[str, Setting], energy: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """label -> (B, T) advantages from `otbrl.compute_advantages`, one per setting; `energy` maps the
     settings' energy sources ("proxy", "exact") to (B, T) energies."""
