@@ -31,12 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ESTIMATORS = sorted(set(otbrl.ESTIMATORS) - {"otb_exact"})
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _logged(trainer: OTBGRPOTrainer, key: str) -> list[float]:

@@ -26,12 +26,7 @@ from tests.trl_dist_worker import make_config, make_trainer  # noqa: E402
 TEMPERATURE = 0.7
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def full_context_energy(model, out: dict, temperature: float) -> torch.Tensor:  # noqa: ANN001
