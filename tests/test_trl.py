@@ -178,32 +178,32 @@ def _torchrun() -> str | None:
     return str(local) if local.exists() else shutil.which("torchrun")
 
 
-@pytest.fixture(scope="module")
-def dist_records(tmp_path_factory):
-    """Runs tests/trl_dist_worker.py on 2 processes (torchrun, gloo on the CPU); returns its output dir."""
+def run_on_two_processes(*worker_args: str) -> None:
+    """tests/trl_dist_worker.py on 2 processes (torchrun, gloo on the CPU); skips without torchrun."""
     torchrun = _torchrun()
     if torchrun is None:
         pytest.skip("torchrun not found")
-    out = tmp_path_factory.mktemp("trl_dist")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "tests.trl_dist_worker", str(out)]
+    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "tests.trl_dist_worker", *worker_args]
     # its own session, so that a timeout ends torchrun and both workers (the worker exits on its own,
     # with every thread's stack, after 90 s)
     proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
-    )
+    )  # fmt: skip
     try:
         stdout, stderr = proc.communicate(timeout=150)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
     assert proc.returncode == 0, stdout[-3000:] + stderr[-8000:]
+
+
+@pytest.fixture(scope="module")
+def dist_records(tmp_path_factory):
+    """Runs tests/trl_dist_worker.py on 2 processes; returns its output dir."""
+    out = tmp_path_factory.mktemp("trl_dist")
+    run_on_two_processes(str(out))
     return out
 
 

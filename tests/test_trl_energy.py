@@ -274,35 +274,9 @@ def test_fsdp2_energy_matches_the_unsharded_model(tmp_path):
     """tests/trl_dist_worker.py --fsdp: Qwen2 (fused head, DTensor weight gathered) and Gemma2 (soft-capped,
     tiled) sharded over 2 processes; each rank's energy equals its unsharded model's, where the decoder
     called directly (the trainer's pass before otbrl.lm) fails on the sharded embedding."""
-    import signal
-    import subprocess
+    from tests.test_trl import run_on_two_processes
 
-    from tests.test_trl import ROOT, _torchrun
-
-    torchrun = _torchrun()
-    if torchrun is None:
-        pytest.skip("torchrun not found")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        torchrun,
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "tests.trl_dist_worker",
-        "--fsdp",
-        str(tmp_path),
-    ]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-8000:]
+    run_on_two_processes("--fsdp", str(tmp_path))
     for family in ("qwen2", "gemma2"):
         for rank in range(2):
             record = torch.load(tmp_path / f"fsdp_{family}_rank{rank}.pt", weights_only=False)
