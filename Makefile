@@ -49,6 +49,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_advantages.py
 	$(PY) benchmarks/bench_energy.py
 	$(PY) benchmarks/bench_fused.py
+	$(PY) benchmarks/bench_trl_step.py
+	$(PY) benchmarks/energy_accuracy.py
+	$(PY) benchmarks/task_horizon.py
 
 clean:
 	rm -rf .venv .venv-verl .pytest_cache .ruff_cache .hypothesis

@@ -12,7 +12,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.mark.parametrize(
-    ("script", "expect"), [("bench_advantages.py", "otb/grpo"), ("bench_energy.py", "chunked")]
+    ("script", "expect"),
+    [("bench_advantages.py", "otb/grpo"), ("bench_energy.py", "chunked"), ("energy_accuracy.py", "otbrl.lm")],
 )
 def test_benchmark_quick_mode_writes_its_table(tmp_path, script, expect):
     out = tmp_path / "result.md"
