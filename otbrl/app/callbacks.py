@@ -1,18 +1,68 @@
 """Trainer callbacks of the `otbrl train` application: one metrics.jsonl line per logged step (with
-cumulative generated tokens and train seconds, continued across a resume) and a compact progress line.
+cumulative generated tokens and train seconds, continued across a resume, held-out evaluations at token
+budgets and the stop at a token budget) and a compact progress line.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from otbrl.app.studies.runs import append_metrics, read_metrics, write_metrics
 
 
-def metrics_callback(path: Path, tokens_per_step: int) -> Any:
+@dataclass
+class TokenBudgets:
+    """Held-out evaluations at budgets of generated tokens (each at the first logged step that reaches
+    it) and the stop at `stop_at` tokens. `evaluate()` returns the held-out reward of the model now."""
+
+    evaluate: Callable[[], float] | None = None
+    eval_at: list[int] = field(default_factory=list)
+    stop_at: int | None = None
+    done: set[int] = field(default_factory=set)
+
+    def due(self, generated: float) -> list[int]:
+        return [b for b in sorted(self.eval_at) if b <= generated and b not in self.done]
+
+    def resume(self, rows: list[dict[str, Any]]) -> None:
+        self.done = {b for r in rows for b in r.get("heldout_budgets", [])}
+
+
+class PromptLedger:
+    """Wraps a reward function and remembers the prompts it scored since the last `digest()`: the digest
+    logged per step lets a study check that every arm of a seed saw the same prompts at each step."""
+
+    def __init__(self, reward: Callable[..., Any]) -> None:
+        self.reward, self.seen = reward, set()
+        self.__name__ = getattr(reward, "__name__", "reward")
+
+    def __call__(self, prompts: list[Any], *args: Any, **kwargs: Any) -> Any:
+        self.seen.update(str(p) for p in prompts)
+        return self.reward(prompts, *args, **kwargs)
+
+    def digest(self) -> str | None:
+        if not self.seen:
+            return None
+        text = "\x00".join(sorted(self.seen))
+        self.seen = set()
+        return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def metrics_callback(
+    path: Path,
+    tokens_per_step: int,
+    budgets: TokenBudgets | None = None,
+    ledger: PromptLedger | None = None,
+) -> Any:
+    """Also, per row: `clipped` (the pre-clip grad norm exceeded max_grad_norm), `prompts_sha` (the
+    ledger's digest) and, at a budget, `heldout_reward` with the budgets it answers (`heldout_budgets`)."""
     from transformers import TrainerCallback
+
+    budgets = budgets or TokenBudgets()
 
     class MetricsJsonl(TrainerCallback):
         """One JSON line per logged step, plus the cumulative counts of generated tokens and train
@@ -28,6 +78,7 @@ def metrics_callback(path: Path, tokens_per_step: int) -> Any:
             if path.is_file():
                 kept = [r for r in read_metrics(path) if r.get("step", 0) <= state.global_step]
                 write_metrics(path, kept)
+                budgets.resume(kept)
                 self.generated = kept[-1].get("generated_tokens", 0.0) if kept else 0.0
                 self.seconds = kept[-1].get("train_seconds", 0.0) if kept else 0.0
 
@@ -40,7 +91,22 @@ def metrics_callback(path: Path, tokens_per_step: int) -> Any:
             if "loss" in logs or "reward" in logs:
                 row = {"step": state.global_step, "generated_tokens": self.generated,
                        "train_seconds": round(self.seconds, 3), **logs}  # fmt: skip
+                if "grad_norm" in logs and args.max_grad_norm:
+                    row["clipped"] = bool(logs["grad_norm"] > args.max_grad_norm)
+                if ledger is not None:
+                    row["prompts_sha"] = ledger.digest()
+                due = budgets.due(self.generated)
+                if due and budgets.evaluate is not None:
+                    model = kwargs.get("model")
+                    row["heldout_reward"], row["heldout_budgets"] = budgets.evaluate(), due
+                    budgets.done.update(due)
+                    if model is not None:
+                        model.train()
+                    self.clock = time.perf_counter()  # evaluation is not train time
                 append_metrics(path, row)
+                if budgets.stop_at is not None and self.generated >= budgets.stop_at:
+                    control.should_training_stop = True
+            return control
 
     return MetricsJsonl()
 

@@ -3,7 +3,7 @@
 otbrl train --config recipes/NAME.yaml [--resume] [--key value ...]   train with a recipe
 otbrl demo [--key value ...]                                          the embedded default run
 otbrl recipes                                                         list the packaged recipes
-otbrl compare EXPERIMENT [--quick] [--jobs 2]                         runs over estimators x seeds
+otbrl compare EXPERIMENT [--quick|--pilot] [--jobs 2]                 runs over estimators x seeds
 otbrl claims [--results docs/results]                                 the claims table from the studies
 otbrl variance [--quick] [--out DIR] [...]                            estimators' gradient variance
 
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from otbrl.app.recipe import load_recipe, parse_value, recipe_names
-from otbrl.app.studies.compare import compare, experiment_names
+from otbrl.app.studies.compare import compare, experiment_names, pilot
 from otbrl.app.train import run, summary_table, written
 
 STUDIES = ("variance", "efficiency", "efficiency48", "stress", "tir")  # the JSON results claims reads
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         "experiment", help=f"an experiment file, or a packaged one: {', '.join(experiment_names())}"
     )
     comp.add_argument("--quick", action="store_true", help="the experiment's short version (what CI runs)")
+    comp.add_argument(
+        "--pilot", action="store_true", help="run the pilot seed's learning-rate choice (not reported)"
+    )
     comp.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (default 2)")
     comp.add_argument("--runs-dir", type=Path, help="where runs go (default runs/compare[-quick]/NAME)")
     comp.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
@@ -127,6 +130,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "compare":
         if rest:
             raise SystemExit(f"otbrl compare: unexpected arguments {rest}")
+        if args.pilot:
+            if args.quick:
+                raise fail("compare: --pilot and --quick do not go together")
+            try:
+                page, _ = pilot(args.experiment, jobs=args.jobs, runs_dir=args.runs_dir, results=args.results)
+            except (ValueError, RuntimeError) as err:
+                raise fail(str(err)) from None
+            print(f"\nwrote {page}")
+            return
         try:
             page, failures = compare(
                 args.experiment,

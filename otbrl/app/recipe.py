@@ -52,6 +52,11 @@ class RecipeKeys:
     reward_max_failure_fraction: float = 0.5
     train_size: int = 4096  # prompts drawn for a built-in task
     eval_size: int = 128  # held-out prompts scored before and after training
+    # Held-out evaluation also at these budgets of generated tokens (at the first step that reaches each),
+    # so that arms with different group sizes are compared at equal cost.
+    eval_at_tokens: list[int] | None = None
+    # Stop once this many tokens were generated (max_steps still bounds the run and sets its schedule).
+    max_generated_tokens: int | None = None
     warm_start_target: float = 0.3
     warm_start_seed: int = 0  # the warm start's own seed: runs with different `seed`s start from one model
     warm_start_seconds: float = 600.0
@@ -271,6 +276,10 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
         _at_least(recipe, key, 1)
     for key in ("learning_rate", "warm_start_target", "beta"):
         _at_least(recipe, key, 0)
+    for budget in recipe.get("eval_at_tokens") or []:
+        if budget < 1:
+            raise ValueError(f"eval_at_tokens: budgets must be >= 1 token, got {budget}")
+    _at_least(recipe, "max_generated_tokens", 1)
     for key in ("temperature", "warm_start_seconds", "save_steps"):
         _at_least(recipe, key, 0, strict=True)
     _at_least(recipe, "num_generations", 2)  # a group of one has no baseline

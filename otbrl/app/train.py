@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import yaml
 
-from otbrl.app.callbacks import metrics_callback, progress_callback
+from otbrl.app.callbacks import PromptLedger, TokenBudgets, metrics_callback, progress_callback
 from otbrl.app.recipe import check_recipe
 from otbrl.app.sources import check_enough_rows, load_model, load_rows, load_tokenizer, shape_prompts
 from otbrl.app.studies.plots import plot_curves
@@ -119,7 +119,8 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     check_enough_rows(train_rows, config, "train_size" if recipe["task"] else "dataset")
     if str(recipe["model"]).startswith("warm") and not recipe["task"]:
         raise ValueError("model: warm:<preset> warm-starts on a built-in task; set task, or give a model")
-    reward = GuardedReward(make_reward(recipe), max_failure_fraction=recipe["reward_max_failure_fraction"])
+    ledger = PromptLedger(make_reward(recipe))  # inside the guard: the guard counts the failures
+    reward = GuardedReward(ledger, max_failure_fraction=recipe["reward_max_failure_fraction"])
     tools, max_turns = tool_settings(recipe)
     synthetic = str(recipe["model"]).partition(":")[0] in ("warm", "random")
     tokenizer = None if synthetic else load_tokenizer(recipe)
@@ -157,7 +158,8 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
         **({"rollout_func": _tool_rollouts(tools, max_turns)} if tools else {}),
     )
     metrics = out / "metrics.jsonl"
-    trainer.add_callback(metrics_callback(metrics, config.generation_batch_size))
+    budgets = TokenBudgets(evaluate_now, list(recipe["eval_at_tokens"] or []), recipe["max_generated_tokens"])
+    trainer.add_callback(metrics_callback(metrics, config.generation_batch_size, budgets, ledger))
     for printer in (ProgressCallback, PrinterCallback):  # they print every step's dict of ~30 metrics
         trainer.remove_callback(printer)
     trainer.add_callback(progress_callback(config.generation_batch_size, bar=not config.disable_tqdm))
@@ -165,8 +167,9 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     if not metrics.is_file():
         raise ValueError(f"max_steps: no training step ran (max_steps {config.max_steps})")
     trainer.save_model(str(out / "final"))
-    after = evaluate_now()
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics)
+    # A held-out evaluation at the last step (a token budget) is the final one: no second pass.
+    after = rows[-1]["heldout_reward"] if rows and "heldout_reward" in rows[-1] else evaluate_now()
     seconds = rows[-1].get("train_seconds", 0.0) if rows else 0.0  # the whole run, resumed parts too
     summary = summarise(metrics, config, before, after, seconds)
     summary["reward failures"] = reward_failures(metrics)

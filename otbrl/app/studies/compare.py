@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from otbrl.app.studies.experiment import Experiment, experiment_names, load_experiment, plan
+from otbrl.app.studies.experiment import Experiment, experiment_names, load_experiment, pilot_plan, plan
 from otbrl.app.studies.outcomes import analyse
 from otbrl.app.studies.plots import plot_arms
 from otbrl.app.studies.report import markdown_table, mean_sd
-from otbrl.app.studies.runs import execute
+from otbrl.app.studies.runs import execute, read_metrics
 
-__all__ = ["compare", "events", "experiment_names", "report", "table"]  # experiment_names: for otbrl.app.cli
+__all__ = ["compare", "events", "experiment_names", "pilot", "report", "table"]  # experiment_names: for otbrl.app.cli
 
 RESULTS = Path("docs/results")
 
@@ -126,3 +126,42 @@ def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | N
     page = report(exp, result, results, command, time.perf_counter() - start, failures)
     log(table(exp, result))
     return page, failures
+
+
+def pilot_score(run_dir: Path) -> float:
+    """The pilot's rule: mean train reward over the last quarter of the run's steps."""
+    rewards = [r["reward"] for r in read_metrics(run_dir / "metrics.jsonl", "reward")]
+    k = max(1, len(rewards) // 4)
+    return sum(rewards[-k:]) / k
+
+
+def pilot(spec: str, *, jobs: int = 2, runs_dir: Path | None = None, results: Path | None = None,
+          log: Any = print) -> tuple[Path, dict[str, float]]:  # fmt: skip
+    """Run the experiment's pilot (every arm at each pilot learning rate, on the pilot seed), pick each
+    arm's learning rate by `pilot_score`, write `<results>/<name>-pilot.md`. The pick goes into the
+    experiment's YAML by hand, before its reported runs: the pilot seed is never one of them."""
+    exp = load_experiment(spec)
+    runs_dir = runs_dir or Path("runs/compare") / exp.name / "pilot"
+    runs = pilot_plan(exp, runs_dir)
+    log(f"{exp.name} pilot: {len(runs)} runs (seed {exp.pilot['seed']}) in {runs_dir}")
+    failures = execute(f"{exp.name} pilot", exp.recipe, runs, jobs=jobs, log=log)
+    if failures:
+        raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
+    rows, picks = [], {}
+    for arm in exp.arms:
+        scores = {r.overrides["learning_rate"]: pilot_score(r.dir) for r in runs if r.arm.startswith(arm + "@")}
+        picks[arm] = max(scores, key=scores.__getitem__)
+        rows.append([arm, *(f"{scores[lr]:.3f}" for lr in scores), f"{picks[arm]:g}"])
+    lrs = [f"{float(lr):g}" for lr in exp.pilot["learning_rates"]]
+    results = results or RESULTS
+    results.mkdir(parents=True, exist_ok=True)
+    page = results / f"{exp.name}-pilot.md"
+    page.write_text(
+        f"# Pilot of experiment `{exp.name}`\n\nRegenerate: `otbrl compare {spec} --pilot --jobs {jobs}`.\n\n"
+        f"Seed {exp.pilot['seed']} (not a reported seed). Rule: each arm takes the learning rate with the "
+        "highest mean train reward over the last quarter of its steps; the picks are written into the "
+        "experiment's YAML before its reported runs. These numbers are not evidence for any claim.\n\n"
+        + markdown_table(["arm", *(f"lr {lr}" for lr in lrs), "pick"], rows, aligned=False) + "\n"
+    )
+    log(markdown_table(["arm", *(f"lr {lr}" for lr in lrs), "pick"], rows, aligned=False))
+    return page, picks

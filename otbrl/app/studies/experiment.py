@@ -13,6 +13,16 @@ An experiment is a YAML file (packaged ones live in `otbrl/app/experiments/`):
       grpo-N4: {advantage_estimator: grpo, num_generations: 4}
       ...
     quick: {common: {max_steps: 3}, seeds: [0], arms: [grpo-N4, otb-N4]}   # what --quick changes
+
+The fair protocol's keys, fixed before the runs:
+
+    arms: {grpo-N32: {..., seeds: [0, 1, 2]}}     # an arm's own seeds (a subset of `seeds`)
+    pilot: {seed: 100, learning_rates: [1.0e-4, 3.0e-4]}   # `otbrl compare NAME --pilot` picks each
+                                                   # arm's learning rate on this seed (never reported)
+    ladder: [3.0e-4, 1.0e-3]                       # every arm at every learning rate (arm@lr)
+    thresholds: [0.45, 0.55]                       # absolute train rewards for tokens-to-threshold
+    comparisons:                                   # paired per-seed differences with CIs (see verdicts)
+      - {name: primary, candidate: otb-N4, baseline: grpo-N4, budget: 300000}
 """
 
 from __future__ import annotations
@@ -47,6 +57,20 @@ class Experiment:
     smooth: int = 9  # steps in the centred moving average of the train reward ...
     smooth_samples: int | None = None  # ... or as many steps as hold this many samples (per arm)
     description: str = ""
+    pilot: dict[str, Any] | None = None
+    ladder: list[float] | None = None
+    thresholds: list[float] = field(default_factory=list)
+    comparisons: list[dict[str, Any]] = field(default_factory=list)
+    confidence: float = 0.95
+    # collapse: the trailing mean reward below collapse_fraction x its starting level for this many
+    # consecutive steps (a window that the run's end truncates does not count)
+    collapse_steps: int = 10
+    surge_factor: float = 3.0  # surge: smoothed pre-clip grad norm > factor x its trailing median
+
+    def arm_seeds(self, arm: str) -> list[int]:
+        """The seeds arm `arm` runs: its own `seeds` (kept within the experiment's), else the experiment's."""
+        own = (self.arms[arm] or {}).get("seeds")
+        return [s for s in self.seeds if own is None or s in own]
 
     def role(self, name: str) -> Any:
         """The arm(s) cast in claim role `name`; `reference` is the experiment's reference arm."""
@@ -89,6 +113,40 @@ def _check_roles(path: Path, exp: Experiment) -> None:
                 raise ValueError(f"experiment {path}: role {role!r} names {arm!r}, which is not an arm")
 
 
+def _expand_ladder(path: Path, exp: Experiment) -> None:
+    """Every arm at every learning rate of the ladder, named arm@lr."""
+    if not exp.ladder:
+        return
+    arms = {}
+    for arm, overrides in exp.arms.items():
+        if "learning_rate" in (overrides or {}):
+            raise ValueError(f"experiment {path}: arm {arm!r} sets learning_rate; the ladder sets it")
+        for lr in exp.ladder:
+            arms[f"{arm}@{float(lr):g}"] = {**(overrides or {}), "learning_rate": float(lr)}
+    exp.arms = arms
+
+
+def _check_protocol(path: Path, exp: Experiment) -> None:
+    for arm, overrides in exp.arms.items():
+        own = (overrides or {}).get("seeds")
+        if own is not None and not set(own) <= set(exp.seeds):
+            raise ValueError(f"experiment {path}: arm {arm!r}: seeds {own} are not all among {exp.seeds}")
+    for i, c in enumerate(exp.comparisons):
+        for key in ("name", "candidate", "baseline"):
+            if key not in c:
+                raise ValueError(f"experiment {path}: comparisons[{i}] needs {key!r}")
+        for key in ("candidate", "baseline"):
+            if c[key] not in exp.arms:
+                raise ValueError(f"experiment {path}: comparisons[{i}]: {c[key]!r} is not an arm")
+    if not 0 < exp.confidence < 1:
+        raise ValueError(f"experiment {path}: confidence must be in (0, 1), got {exp.confidence}")
+    if exp.pilot is not None:
+        if not isinstance(exp.pilot, dict) or "seed" not in exp.pilot or not exp.pilot.get("learning_rates"):
+            raise ValueError(f"experiment {path}: pilot needs a seed and learning_rates")
+        if exp.pilot["seed"] in exp.seeds:
+            raise ValueError(f"experiment {path}: the pilot seed {exp.pilot['seed']} is also a reported seed")
+
+
 def _apply_quick(path: Path, exp: Experiment, section: dict[str, Any]) -> None:
     exp.forced = dict(section.get("common", {}))
     exp.seeds = list(section.get("seeds", exp.seeds[:1]))
@@ -123,6 +181,8 @@ def load_experiment(spec: str, quick: bool = False) -> Experiment:
         if key not in raw:
             raise ValueError(f"experiment {path}: missing key {key!r}")
     exp = Experiment(name=path.stem, **raw)
+    _expand_ladder(path, exp)
+    _check_protocol(path, exp)
     _check_roles(path, exp)  # against every arm: a quick run drops some, the roles stay
     if quick:
         _apply_quick(path, exp, quick_section)
@@ -133,18 +193,34 @@ def load_experiment(spec: str, quick: bool = False) -> Experiment:
 
 def plan(exp: Experiment, out: Path) -> list[Run]:
     """One Run per (arm, seed), with the overrides that make it (recipe keys, as `otbrl train` takes)."""
+    return [_run(exp, out, arm, seed) for arm in exp.arms for seed in exp.arm_seeds(arm)]
+
+
+def pilot_plan(exp: Experiment, out: Path) -> list[Run]:
+    """The pilot: every arm at each of the pilot's learning rates, on the pilot seed (arm@lr)."""
+    if not exp.pilot:
+        raise ValueError(f"experiment {exp.name}: no `pilot:` section")
+    runs = []
+    extra = {k: v for k, v in exp.pilot.items() if k not in ("seed", "learning_rates")}
+    for arm in exp.arms:
+        for lr in exp.pilot["learning_rates"]:
+            name = f"{arm}@{float(lr):g}"
+            runs.append(_run(exp, out, arm, exp.pilot["seed"], {"learning_rate": float(lr), **extra}, name))
+    return runs
+
+
+def _run(exp: Experiment, out: Path, arm: str, seed: int, extra: dict[str, Any] | None = None,
+         name: str | None = None) -> Run:  # fmt: skip
     from otbrl.app.recipe import load_recipe
 
-    runs = []
-    for arm, arm_overrides in exp.arms.items():
-        for seed in exp.seeds:
-            overrides = {**exp.common, **(arm_overrides or {}), **exp.forced}
-            if exp.prompts_per_step and "per_device_train_batch_size" not in overrides:
-                n = overrides.get("num_generations") or load_recipe(exp.recipe)["num_generations"]
-                overrides["per_device_train_batch_size"] = exp.prompts_per_step * int(n)
-            run_dir = out / arm / f"seed{seed}"
-            overrides.update(seed=seed, output_dir=str(run_dir), plot=False)
-            overrides.setdefault("threads", 1)  # parallel runs: one thread each gets more done
-            load_recipe(exp.recipe, overrides)  # a bad key fails now, not after an hour of runs
-            runs.append(Run(arm, seed, run_dir, overrides))
-    return runs
+    name = name or arm
+    arm_overrides = {k: v for k, v in (exp.arms[arm] or {}).items() if k != "seeds"}
+    overrides = {**exp.common, **arm_overrides, **(extra or {}), **exp.forced}
+    if exp.prompts_per_step and "per_device_train_batch_size" not in overrides:
+        n = overrides.get("num_generations") or load_recipe(exp.recipe)["num_generations"]
+        overrides["per_device_train_batch_size"] = exp.prompts_per_step * int(n)
+    run_dir = out / name / f"seed{seed}"
+    overrides.update(seed=seed, output_dir=str(run_dir), plot=False)
+    overrides.setdefault("threads", 1)  # parallel runs: one thread each gets more done
+    load_recipe(exp.recipe, overrides)  # a bad key fails now, not after an hour of runs
+    return Run(name, seed, run_dir, overrides)
