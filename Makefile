@@ -5,7 +5,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
 TESTED  := $(TORCH) trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0 math-verify==0.9.0 \
-           peft==0.21.2
+           peft==0.21.2 scipy==1.17.1
 
 # The verl plugin is tested in its own venv: verl pins a transformers range that TRL's does not meet.
 # The constraints file keeps verl's dependencies from replacing the CPU torch installed first.

@@ -66,13 +66,44 @@ def batch_diagnostics(advantages: torch.Tensor, energy: torch.Tensor, mask: torc
     }
 
 
+def group_horizons(mask: torch.Tensor, energy: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Tensor
+                   ) -> dict[str, float]:  # fmt: skip
+    """How much trajectories differ inside their groups, the setting OTB's per-token weights act in.
+
+    mask, energy: (B, T); rewards, group_ids: (B,). Rows without a policy token are left out; only
+    groups with >= 2 rows count. Returns horizon/length_cv and horizon/energy_cv (within-group std / mean
+    of the response length and of the realized energy W_T, population std, averaged over groups) and
+    horizon/reward_spread (the share of groups whose rewards are not all equal: the others carry no
+    signal). Zeros when no group has two rows.
+    """
+    keep = mask.bool()
+    rows = keep.any(dim=-1)
+    lengths = keep.sum(dim=-1).double()[rows]
+    totals = (energy.double() * keep).sum(dim=-1)[rows]
+    r, g = rewards.double()[rows], group_ids[rows]
+    length_cv, energy_cv, spread = [], [], []
+    for gid in torch.unique(g):
+        members = g == gid
+        if members.sum() < 2:
+            continue
+        for values, out in ((lengths[members], length_cv), (totals[members], energy_cv)):
+            mean = values.mean()
+            out.append((values.std(unbiased=False) / mean).item() if mean > 0 else 0.0)
+        spread.append(float(r[members].max() > r[members].min()))
+    avg = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return {"horizon/length_cv": avg(length_cv), "horizon/energy_cv": avg(energy_cv),
+            "horizon/reward_spread": avg(spread)}  # fmt: skip
+
+
 class SurgeDetector:
     """Flags a step whose gradient norm exceeds `factor` times the median of the last `window` norms.
 
     Call `update(norm)` once per optimiser step; it returns True on a surge. Nothing fires during the
     first `warmup` steps. Surging values enter the history too, so a lasting new level stops firing
-    after about window / 2 steps. A non-finite norm is always a surge. `state_dict` / `load_state_dict`
-    carry the history through checkpoints.
+    after about window / 2 steps. A non-finite norm is always a surge. A zero norm (no group had a reward
+    spread: nothing to learn from) is neither history nor a surge: counted in, it would drag the median
+    to 0 and make the next ordinary step a "surge". `state_dict` / `load_state_dict` carry the history
+    through checkpoints.
     """
 
     def __init__(self, factor: float = 3.0, window: int = 50, warmup: int = 10) -> None:
@@ -87,6 +118,9 @@ class SurgeDetector:
 
     def update(self, norm: float | torch.Tensor) -> bool:
         value = float(norm)
+        if value == 0.0:
+            self.steps += 1
+            return False
         surge = not math.isfinite(value)
         if not surge and self.steps >= self.warmup and self.history:
             surge = value > self.factor * statistics.median(self.history)

@@ -55,6 +55,8 @@ class RecipeKeys:
     # Held-out evaluation also at these budgets of generated tokens (at the first step that reaches each),
     # so that arms with different group sizes are compared at equal cost.
     eval_at_tokens: list[int] | None = None
+    # Held-out evaluation before training (the same for every arm of a seed in a study: skip it there)
+    eval_before: bool = True
     # Stop once this many tokens were generated (max_steps still bounds the run and sets its schedule).
     max_generated_tokens: int | None = None
     warm_start_target: float = 0.3
@@ -147,7 +149,12 @@ def _schema() -> tuple[dict[str, argparse.Action], dict[str, Any], dict[str, Any
     from otbrl.integrations.trl import OTBGRPOConfig
 
     parser = HfArgumentParser([RecipeKeys, OTBGRPOConfig])
-    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    # A `bool = True` field also gets a `--no_<field>` store-false action with the same dest: the
+    # field's own action (type string_to_bool) is the one that reads a value.
+    actions = {
+        a.dest: a for a in parser._actions
+        if a.dest != "help" and not isinstance(a, argparse._StoreFalseAction)
+    }  # fmt: skip
     hints = {**typing.get_type_hints(OTBGRPOConfig), **typing.get_type_hints(RecipeKeys)}
     defaults = {f.name: f.default for f in dataclasses.fields(OTBGRPOConfig)} | RECIPE_DEFAULTS
     return actions, hints, defaults

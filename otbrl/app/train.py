@@ -147,8 +147,9 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
         model, tokenizer, eval_rows, score, config.max_completion_length, config.temperature, recipe["seed"],
         tools, max_turns,
     )  # fmt: skip
-    before = evaluate_now()
-    log(f"held-out reward before training: {before:.3f} ({len(eval_rows)} prompts)")
+    before = evaluate_now() if recipe["eval_before"] else None
+    if before is not None:
+        log(f"held-out reward before training: {before:.3f} ({len(eval_rows)} prompts)")
     trainer = OTBGRPOTrainer(
         model=model,
         reward_funcs=reward,
@@ -205,7 +206,8 @@ def _tool_rollouts(tools: tuple[str, ...], max_turns: int) -> Callable:
     return rollout_func(list(tools), max_turns)
 
 
-def summarise(metrics: Path, config: Any, before: float, after: float, seconds: float) -> dict[str, Any]:
+def summarise(metrics: Path, config: Any, before: float | None, after: float, seconds: float
+              ) -> dict[str, Any]:  # fmt: skip
     rows = read_metrics(metrics)
     rewards = [r["reward"] for r in rows if "reward" in r]
     norms = [r["grad_norm"] for r in rows if "grad_norm" in r]
@@ -216,7 +218,7 @@ def summarise(metrics: Path, config: Any, before: float, after: float, seconds: 
         "steps": rows[-1]["step"] if rows else 0,
         "train seconds": round(seconds, 1),
         "generated tokens": int(rows[-1]["generated_tokens"]) if rows else 0,
-        "held-out reward before": round(before, 3),
+        "held-out reward before": None if before is None else round(before, 3),
         "held-out reward after": round(after, 3),
         "train reward, first 10% of steps": round(sum(rewards[:k]) / k, 3) if rewards else None,
         "train reward, last 10% of steps": round(sum(rewards[-k:]) / k, 3) if rewards else None,

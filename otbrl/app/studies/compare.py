@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from otbrl.app.studies.experiment import Experiment, experiment_names, load_experiment, pilot_plan, plan
-from otbrl.app.studies.outcomes import analyse
-from otbrl.app.studies.plots import plot_arms
+from otbrl.app.studies.outcomes import SURGE_HISTORY, SURGE_SMOOTH, analyse
+from otbrl.app.studies.outcomes import interval_json as _interval
+from otbrl.app.studies.plots import plot_arms, plot_figure
 from otbrl.app.studies.report import markdown_table, mean_sd
 from otbrl.app.studies.runs import execute, read_metrics
 
-__all__ = ["compare", "events", "experiment_names", "pilot", "report", "table"]  # experiment_names: for otbrl.app.cli
+# experiment_names: for otbrl.app.cli
+__all__ = ["compare", "events", "experiment_names", "pilot", "report", "table"]
 
 RESULTS = Path("docs/results")
 
@@ -24,27 +26,52 @@ def _smoothing(exp: Experiment) -> str:
     return f"{exp.smooth_samples} samples" if exp.smooth_samples else f"{exp.smooth} steps"
 
 
+def _k(tokens: float) -> str:
+    return f"{tokens / 1000:g}k"
+
+
+def _collapsed(s: dict[str, Any]) -> str:
+    steps = [c for c in s["collapses"] if c is not None]
+    return f"{len(steps)}/{s['seeds']}" + (f" ({', '.join(map(str, steps))})" if steps else "")
+
+
 def table(exp: Experiment, result: dict[str, Any]) -> str:
-    """One row per arm: rewards, tokens, tokens to the target and saved against the reference, events."""
-    target = result["target"]
-    head = [
-        "arm", "seeds", "final train reward", "held-out reward", "generated tokens",
-        f"tokens to {target:.3f}" if target is not None else "tokens to target", "steps to it", "reached",
-        f"tokens saved vs {exp.reference}" if exp.reference else "tokens saved", "grad-norm surges",
-        "collapsed (step)",
-    ]  # fmt: skip
+    """One row per arm: held-out reward at each budget, tokens to each threshold, final train reward,
+    clipped fraction, surges, collapses (mean ± sd over seeds)."""
+    budgets = sorted({b for s in result["arms"].values() for b in s["heldout"]})
+    head = ["arm", "seeds", *(f"held-out @{_k(b)}" if b else "held-out before" for b in budgets),
+            *(f"tokens to {th:g} (reached)" for th in exp.thresholds),
+            "final train reward", "tokens", "clipped", "surges", "collapsed (step)"]  # fmt: skip
     rows = []
     for arm, s in result["arms"].items():
-        collapsed = [c for c in s["collapses"] if c is not None]
-        saving = s["token_saving"]
+        reach = [
+            f"{mean_sd(ts)} ({sum(t is not None for t in ts)}/{s['seeds']})"
+            for ts in (s["to_threshold"][th] for th in exp.thresholds)
+        ]
         rows.append([
-            arm, s["seeds"], mean_sd(s["final"]), mean_sd(s["held_out"]),
-            mean_sd(s["total_tokens"]), mean_sd(s["tokens_to_target"]),
-            mean_sd(s["steps_to_target"]).replace(".000", ""), f"{s['reached']}/{s['seeds']}",
-            "—" if saving is None else f"{100 * saving:.0f}%", s["surges"],
-            f"{len(collapsed)}/{s['seeds']}" + (f" ({', '.join(map(str, collapsed))})" * bool(collapsed)),
+            arm, s["seeds"], *(mean_sd(s["heldout"].get(b, [])) for b in budgets), *reach,
+            mean_sd(s["final"]), mean_sd(s["total_tokens"]), mean_sd(s["clip_fraction"]), s["surges"],
+            _collapsed(s),
         ])  # fmt: skip
     return markdown_table(head, rows, aligned=False)
+
+
+def comparisons_table(result: dict[str, Any]) -> str:
+    """One row per paired endpoint of each comparison: the mean difference, its interval, the verdict."""
+    rows = []
+    for c in result["comparisons"]:
+        for h in c["heldout"]:
+            at = _k(h["budget"]) + (f" vs {_k(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"]
+                                    else "")  # fmt: skip
+            rows.append([c["name"], f"held-out reward @{at}, {c['candidate']} − {c['baseline']}",
+                         str(h["interval"]), h["verdict"]])  # fmt: skip
+        for t in c["tokens"]:
+            endpoint = (f"tokens saved to {t['threshold']:g} ({c['baseline']} − {c['candidate']}; "
+                        f"reached in {t['reached'][0]} and {t['reached'][1]} seeds)")  # fmt: skip
+            rows.append([c["name"], endpoint, t["interval"].text(thousands=True), t["verdict"]])
+        kind = c["kind"] + (f", margin {c['margin']:g}" if c["kind"] == "matches" else "")
+        rows.append([c["name"], "**verdict**", kind, f"**{c['verdict']}**"])
+    return markdown_table(["comparison", "endpoint", "mean [95% CI] (seeds)", "verdict"], rows, aligned=False)
 
 
 def events(result: dict[str, Any]) -> str:
@@ -62,9 +89,30 @@ def events(result: dict[str, Any]) -> str:
     return markdown_table(head, rows, aligned=False)
 
 
+def definitions(exp: Experiment) -> str:
+    from otbrl.app.studies.inference import rule
+
+    kinds = sorted({c.get("kind", "better") for c in exp.comparisons})
+    margins = {c.get("kind"): c.get("margin", 0.0) for c in exp.comparisons}
+    rules = "; ".join(f"`{k}`: {rule(k, margins.get(k, 0.0) or 0.0, exp.confidence)}" for k in kinds)
+    return (
+        "Held-out reward: one sampled completion (temperature of the run) for each held-out prompt, the "
+        "same prompts and sampling seed for every arm of a seed, at the first step whose generated tokens "
+        "reach the budget. Tokens to a threshold: generated tokens when the centred moving average of the "
+        f"train reward (over {_smoothing(exp)}) first reaches it. Clipped: the fraction of steps whose "
+        "pre-clip gradient norm exceeded max_grad_norm. Surge: the pre-clip gradient norm, trailing mean "
+        f"over {SURGE_SMOOTH} steps with zero-gradient steps left out, above {exp.surge_factor:g}x the "
+        f"median of its previous {SURGE_HISTORY} values. Collapsed: the trailing mean reward below "
+        f"{exp.collapse_fraction:.0%} of its first window's for {exp.collapse_steps} consecutive steps "
+        "inside the run. Comparisons are paired by seed (same warm start, same prompts per step, same "
+        f"held-out set); verdict rules: {rules}. A comparison's verdict combines its endpoints: held or "
+        "did not hold when all tested endpoints agree, inconclusive otherwise."
+    )
+
+
 def report(exp: Experiment, result: dict[str, Any], results: Path, command: str, seconds: float,
            failures: list[str]) -> Path:  # fmt: skip
-    """Write `<results>/<name>.md` (+ .png and a .json of the per-arm numbers)."""
+    """Write `<results>/<name>.md` (+ .png and a .json of the per-arm numbers and comparisons)."""
     from otbrl.app.recipe import load_recipe
 
     results.mkdir(parents=True, exist_ok=True)
@@ -73,38 +121,55 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     plot_arms(result, png, f"{exp.name}: {exp.description}".strip(": "), _smoothing(exp))
     base = load_recipe(exp.recipe, {**exp.common, **exp.forced})
     setting = ", ".join(
-        f"{k} {base[k]}" for k in ("task", "model", "learning_rate", "max_steps", "max_completion_length",
-                                   "temperature") if k in base
+        f"{k} {base[k]}" for k in ("task", "model", "learning_rate", "lr_scheduler_type", "warmup_steps",
+                                   "max_generated_tokens", "max_completion_length", "temperature",
+                                   "eval_size") if k in base
     )  # fmt: skip
-    arms = "\n".join(f"- `{a}`: {json.dumps(o)}" for a, o in exp.arms.items())
-    notes = [
-        f"Target: {exp.target_fraction:.0%} of `{exp.reference}`'s final train reward (mean over seeds) = "
-        f"{result['target']:.3f}."
-        if result["target"] is not None
-        else (result.get("note") or "No reference arm: no target."),
-        "Final train reward: mean of the last 10% of steps. Held-out reward: one sample per held-out prompt "
-        "after training. Tokens to target: generated tokens when the centred moving average of the train "
-        f"reward (over {_smoothing(exp)}) first reaches the target, mean ± sd over the seeds that reached "
-        f"it. Collapsed: the smoothed reward fell below {exp.collapse_fraction:.0%} of its best and stayed "
-        "there.",
-    ]
+    arms = "\n".join(f"- `{a}`: {json.dumps(o)}, seeds {exp.arm_seeds(a)}" for a, o in exp.arms.items())
+    prompts = result["prompt_problems"]
+    check = (
+        "Same prompts per step: checked from the runs' prompt digests, no difference between the arms "
+        "of any seed." if not prompts else "Same prompts per step: **violated**: " + "; ".join(prompts)
+    )
     failed = "\n".join(f"- {f}" for f in failures) or "none"
-    md.write_text(
-        f"# Experiment `{exp.name}`\n\n{exp.description}\n\nRegenerate: `{command}` "
-        f"(runs resume: finished ones are kept). Training time summed over the runs: {run_minutes:.0f} min "
-        f"(with `--jobs 2` about half that in wall time, plus ~15 s of start-up per run); wall time of the "
-        f"invocation that wrote this page: {seconds / 60:.1f} min.\n\n"
-        f"Setting: {setting}; prompts per step {exp.prompts_per_step}; seeds {exp.seeds}.\n\n"
-        f"Arms:\n{arms}\n\n"
-        f"{table(exp, result)}\n\n"
-        f"Events by run (steps):\n\n{events(result)}\n\n"
-        + "\n\n".join(notes)
-        + f"\n\nFailed runs: {failed}\n\n![{exp.name}]({png.name})\n"
-    )
-    (results / f"{exp.name}.json").write_text(
-        json.dumps({"target": result["target"], "note": result.get("note"), "arms": result["arms"]}, indent=1)
-    )
+    parts = [
+        f"# Experiment `{exp.name}`\n\n{exp.description}",
+        f"Regenerate: `{command}` (runs resume: finished ones are kept). Training time summed over the runs: "
+        f"{run_minutes:.0f} min; wall time of the invocation that wrote this page: {seconds / 60:.1f} min.",
+        f"Setting: {setting}; prompts per step {exp.prompts_per_step}; seeds {exp.seeds}"
+        + (f"; learning rates picked on pilot seed {exp.pilot['seed']} "
+           f"([{exp.name}-pilot.md]({exp.name}-pilot.md))" if exp.pilot else "") + ".",
+        f"Arms:\n{arms}",
+        table(exp, result),
+    ]  # fmt: skip
+    if exp.ladder:
+        from otbrl.app.studies.ladder import ladder_table, plot_ladder
+
+        fig_path = results / f"{exp.name}-collapse.png"
+        title = f"{exp.name}: collapse against learning rate"
+        plot_figure(lambda ax: plot_ladder(result["arms"], ax), fig_path, title)
+        parts.append(
+            "Learning-rate ladder (collapsed seeds per rung; critical lr: the lowest rung where at least "
+            f"half the seeds collapsed):\n\n{ladder_table(result['arms'])}\n\n![collapse]({fig_path.name})"
+        )
+    if result["comparisons"]:
+        parts.append(f"Paired comparisons ({exp.confidence:.0%} t intervals over seeds):\n\n"
+                     + comparisons_table(result))  # fmt: skip
+    parts += [f"Events by run (steps):\n\n{events(result)}", check, definitions(exp),
+              f"Failed runs: {failed}", f"![{exp.name}]({png.name})"]
+    md.write_text("\n\n".join(parts) + "\n")
+    (results / f"{exp.name}.json").write_text(json.dumps(to_json(result), indent=1))
     return md
+
+
+def to_json(result: dict[str, Any]) -> dict[str, Any]:
+    """The per-arm numbers and comparisons (intervals as mappings), for `otbrl claims`."""
+    comparisons = []
+    for c in result["comparisons"]:
+        heldout = [{**h, "interval": _interval(h["interval"])} for h in c["heldout"]]
+        tokens = [{**t, "interval": _interval(t["interval"])} for t in c["tokens"]]
+        comparisons.append({**c, "heldout": heldout, "tokens": tokens})
+    return {"arms": result["arms"], "comparisons": comparisons, "prompt_problems": result["prompt_problems"]}
 
 
 def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | None = None,
@@ -116,7 +181,7 @@ def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | N
     runs_dir = runs_dir or root / exp.name
     results = results or (root / "results" if quick else RESULTS)
     runs = plan(exp, runs_dir)
-    log(f"{exp.name}: {len(exp.arms)} arms x {len(exp.seeds)} seeds = {len(runs)} runs in {runs_dir}")
+    log(f"{exp.name}: {len(runs)} runs ({len(exp.arms)} arms, seeds {exp.seeds}) in {runs_dir}")
     start = time.perf_counter()
     failures = execute(exp.name, exp.recipe, runs, jobs=jobs, log=log)
     result = analyse(exp, runs)
@@ -149,7 +214,8 @@ def pilot(spec: str, *, jobs: int = 2, runs_dir: Path | None = None, results: Pa
         raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
     rows, picks = [], {}
     for arm in exp.arms:
-        scores = {r.overrides["learning_rate"]: pilot_score(r.dir) for r in runs if r.arm.startswith(arm + "@")}
+        mine = [r for r in runs if r.arm.startswith(arm + "@")]
+        scores = {r.overrides["learning_rate"]: pilot_score(r.dir) for r in mine}
         picks[arm] = max(scores, key=scores.__getitem__)
         rows.append([arm, *(f"{scores[lr]:.3f}" for lr in scores), f"{picks[arm]:g}"])
     lrs = [f"{float(lr):g}" for lr in exp.pilot["learning_rates"]]

@@ -19,7 +19,8 @@ The fair protocol's keys, fixed before the runs:
     arms: {grpo-N32: {..., seeds: [0, 1, 2]}}     # an arm's own seeds (a subset of `seeds`)
     pilot: {seed: 100, learning_rates: [1.0e-4, 3.0e-4]}   # `otbrl compare NAME --pilot` picks each
                                                    # arm's learning rate on this seed (never reported)
-    ladder: [3.0e-4, 1.0e-3]                       # every arm at every learning rate (arm@lr)
+    ladder: [3.0e-4, 1.0e-3]                       # every arm at every learning rate (arm@lr); an
+                                                   # arm's own `ladder: [...]` climbs part of it
     thresholds: [0.45, 0.55]                       # absolute train rewards for tokens-to-threshold
     comparisons:                                   # paired per-seed differences with CIs (see verdicts)
       - {name: primary, candidate: otb-N4, baseline: grpo-N4, budget: 300000}
@@ -119,10 +120,12 @@ def _expand_ladder(path: Path, exp: Experiment) -> None:
         return
     arms = {}
     for arm, overrides in exp.arms.items():
-        if "learning_rate" in (overrides or {}):
+        overrides = dict(overrides or {})
+        if "learning_rate" in overrides:
             raise ValueError(f"experiment {path}: arm {arm!r} sets learning_rate; the ladder sets it")
-        for lr in exp.ladder:
-            arms[f"{arm}@{float(lr):g}"] = {**(overrides or {}), "learning_rate": float(lr)}
+        rungs = overrides.pop("ladder", exp.ladder)  # an arm may climb only part of the ladder
+        for lr in rungs:
+            arms[f"{arm}@{float(lr):g}"] = {**overrides, "learning_rate": float(lr)}
     exp.arms = arms
 
 
@@ -181,9 +184,9 @@ def load_experiment(spec: str, quick: bool = False) -> Experiment:
         if key not in raw:
             raise ValueError(f"experiment {path}: missing key {key!r}")
     exp = Experiment(name=path.stem, **raw)
+    _check_roles(path, exp)  # against every arm (before a ladder): a quick run drops some, roles stay
     _expand_ladder(path, exp)
     _check_protocol(path, exp)
-    _check_roles(path, exp)  # against every arm: a quick run drops some, the roles stay
     if quick:
         _apply_quick(path, exp, quick_section)
     if exp.reference is not None and exp.reference not in exp.arms:

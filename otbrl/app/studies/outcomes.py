@@ -1,11 +1,19 @@
-"""What an experiment's training runs achieved, from their metrics.jsonl: per run the smoothed reward,
-final reward, tokens to a target, gradient-norm surges, LR-decay triggers and collapse; per arm the same
-over seeds, with the tokens saved against the reference arm.
+"""What an experiment's training runs achieved, from their metrics.jsonl: per run the smoothed train
+reward, held-out reward at each token budget, tokens to each absolute threshold, gradient-norm surges,
+the clipped fraction, LR-decay triggers and collapse; per experiment the paired comparisons its YAML
+names (`inference`) and a check that every arm of a seed saw the same prompts at each step.
 
-The train reward is smoothed by a centred moving average (no lag, which would otherwise cost large-batch
-arms more tokens). Final reward: mean of the last 10% of steps. Tokens to target: generated tokens when
-the smoothed reward first reaches `target_fraction` x the reference arm's final reward. Collapse: the
-smoothed reward falls below `collapse_fraction` x its best so far and never comes back.
+Definitions (stated again on the results page):
+- Smoothed train reward: centred moving average over a window matched in samples (`window`), so a
+  first crossing of a threshold is neither lagged nor won by one lucky small batch.
+- Tokens to a threshold: generated tokens (every sample's completion, tool output excluded) when the
+  smoothed reward first reaches the threshold; None if it never does.
+- Collapse: the trailing mean reward (same window) stays below `collapse_fraction` x its starting level
+  (the mean of the first window) for `collapse_steps` consecutive steps, all inside the run: a window the
+  run's end cuts short never counts.
+- Surge: the pre-clip gradient norm, smoothed by a trailing mean over 5 steps, exceeds `surge_factor` x
+  the median of its previous 20 values; steps with a zero gradient (no reward spread in any group) are
+  left out, and consecutive flagged steps are one surge.
 """
 
 from __future__ import annotations
@@ -17,109 +25,198 @@ from pathlib import Path
 from typing import Any
 
 from otbrl.app.studies.experiment import Experiment
+from otbrl.app.studies.inference import NOT_TESTED, Interval, combine, paired, t_interval, verdict
 from otbrl.app.studies.runs import Run, moving_average, read_metrics
 
+SURGE_SMOOTH, SURGE_HISTORY = 5, 20
 
-def collapse_step(steps: list[int], smooth: list[float], fraction: float) -> int | None:
-    """First step from which the smoothed reward stays below `fraction` x its best value before it."""
-    best, candidate = -math.inf, None
-    for step, value in zip(steps, smooth, strict=True):
-        if best > 0 and value < fraction * best:
-            candidate = step if candidate is None else candidate
-        else:
-            candidate = None
-        best = max(best, value)
-    return candidate
+
+def collapse_step(steps: list[int], rewards: list[float], window: int, fraction: float,
+                  hold: int) -> int | None:  # fmt: skip
+    """First step of `hold` consecutive steps whose trailing mean reward (over `window` steps, full
+    windows only) is below `fraction` x the mean of the first `window` steps."""
+    if len(rewards) < window + hold:
+        return None
+    start = statistics.fmean(rewards[:window])
+    if start <= 0:
+        return None  # nothing to lose
+    trailing = moving_average(rewards, window, centred=False)
+    run = 0
+    for i in range(window - 1, len(rewards)):
+        run = run + 1 if trailing[i] < fraction * start else 0
+        if run >= hold:
+            return steps[i - hold + 1]
+    return None
+
+
+def surge_steps(steps: list[int], norms: list[float], factor: float) -> list[int]:
+    """First step of each surge of the smoothed pre-clip gradient norm (zero-gradient steps left out)."""
+    kept = [(s, n) for s, n in zip(steps, norms, strict=True) if math.isfinite(n) and n > 0]
+    smooth = moving_average([n for _, n in kept], SURGE_SMOOTH, centred=False)
+    out, inside = [], False
+    for i, (step, _) in enumerate(kept):
+        history = smooth[max(0, i - SURGE_HISTORY) : i]
+        flagged = len(history) >= SURGE_HISTORY // 2 and smooth[i] > factor * statistics.median(history)
+        if flagged and not inside:
+            out.append(step)
+        inside = flagged
+    return out
 
 
 def window(exp: Experiment, batch: int) -> int:
     """Steps in the reward's moving average for a run with `batch` samples per step. Matched in samples,
-    small-batch arms (noisier per step) average over more steps, so all curves carry the same noise
-    and a first crossing of the target is not won by noise."""
+    small-batch arms (noisier per step) average over more steps, so all curves carry the same noise."""
     if exp.smooth_samples:
         return max(1, round(exp.smooth_samples / batch))
     return exp.smooth
 
 
-def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0, batch: int = 1) -> dict[str, Any]:
-    rows = read_metrics(run_dir / "metrics.jsonl", "reward")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    steps = [r["step"] for r in rows]
-    reward = [r["reward"] for r in rows]
-    smooth = moving_average(reward, window(exp, batch))
-    k = max(1, len(reward) // 10)
-    return {
-        "seed": seed,
-        "steps": steps,
-        "tokens": [r["generated_tokens"] for r in rows],
-        "reward": reward,
-        "smooth": smooth,
-        "grad_norm": [r.get("grad_norm", math.nan) for r in rows],
-        "length": [r.get("completions/mean_length", math.nan) for r in rows],
-        "lr": [r.get("learning_rate", math.nan) for r in rows],
-        "final": sum(reward[-k:]) / k if reward else math.nan,
-        "start": sum(reward[:k]) / k if reward else math.nan,
-        "held_out": summary.get("held-out reward after", math.nan),
-        "train_seconds": summary.get("train seconds", math.nan),
-        "total_tokens": rows[-1]["generated_tokens"] if rows else 0.0,
-        "surges": [r["step"] for r in rows if r.get("otb/grad_norm_surge")],
-        "decays": [r["step"] for r in rows if r.get("otb/lr_decay_trigger")],
-        "collapse": collapse_step(steps, smooth, exp.collapse_fraction),
-    }
-
-
-def tokens_to(run: dict[str, Any], target: float) -> float | None:
-    for tokens, value in zip(run["tokens"], run["smooth"], strict=True):
-        if value >= target:
-            return tokens
+def first_crossing(tokens: list[float], smooth: list[float], threshold: float) -> float | None:
+    for t, value in zip(tokens, smooth, strict=True):
+        if value >= threshold:
+            return t
     return None
 
 
-def _target(exp: Experiment, per_arm: dict[str, list[dict[str, Any]]]) -> tuple[float | None, str | None]:
-    """(target, None), or (None, why there is none) when the reference arm ran but did not improve."""
-    ref = per_arm.get(exp.reference or "")
-    if not ref:
-        return None, None
-    target = exp.target_fraction * statistics.fmean(r["final"] for r in ref)
-    start = statistics.fmean(r["start"] for r in ref)
-    if target <= start:  # the reference did not improve: "reaching" the target would mean nothing
-        return None, (f"{exp.reference} did not improve (first 10% of steps {start:.3f}, last "
-                      f"{target / exp.target_fraction:.3f}): no tokens-to-target.")  # fmt: skip
-    return target, None
+def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0, batch: int = 1) -> dict[str, Any]:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    rewarded = [r for r in rows if "reward" in r]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = [r["step"] for r in rewarded]
+    reward = [r["reward"] for r in rewarded]
+    tokens = [r["generated_tokens"] for r in rewarded]
+    w = window(exp, batch)
+    smooth = moving_average(reward, w)
+    norms = [r.get("grad_norm", math.nan) for r in rewarded]
+    clipped = [r["clipped"] for r in rewarded if "clipped" in r and r.get("grad_norm", 0) > 0]
+    before = summary.get("held-out reward before")
+    heldout, heldout_tokens = ({0: before}, {0: 0.0}) if before is not None else ({}, {})
+    for r in rows:
+        for b in r.get("heldout_budgets", []):
+            heldout[int(b)], heldout_tokens[int(b)] = r["heldout_reward"], r["generated_tokens"]
+    k = max(1, len(reward) // 10)
+    horizon = {key: [r[f"horizon/{key}"] for r in rewarded if f"horizon/{key}" in r]
+               for key in ("length_cv", "energy_cv", "reward_spread")}  # fmt: skip
+    return {
+        "seed": seed,
+        # the task's horizon as the runs met it: within-group spreads over the first 10 steps
+        **{f"{key}_start": statistics.fmean(v[:10]) if v else math.nan for key, v in horizon.items()},
+        "steps": steps,
+        "tokens": tokens,
+        "reward": reward,
+        "smooth": smooth,
+        "grad_norm": norms,
+        "length": [r.get("completions/mean_length", math.nan) for r in rewarded],
+        "lr": [r.get("learning_rate", math.nan) for r in rewarded],
+        "prompts": [r.get("prompts_sha") for r in rewarded],
+        "final": sum(reward[-k:]) / k if reward else math.nan,
+        "start": sum(reward[:k]) / k if reward else math.nan,
+        "held_out": summary.get("held-out reward after", math.nan),
+        "heldout": heldout,
+        "heldout_tokens": heldout_tokens,
+        "train_seconds": summary.get("train seconds", math.nan),
+        "total_tokens": tokens[-1] if tokens else 0.0,
+        "to_threshold": {th: first_crossing(tokens, smooth, th) for th in exp.thresholds},
+        "surges": surge_steps(steps, norms, exp.surge_factor),
+        "clip_fraction": statistics.fmean(clipped) if clipped else math.nan,
+        "decays": [r["step"] for r in rewarded if r.get("otb/lr_decay_trigger")],
+        "collapse": collapse_step(steps, reward, w, exp.collapse_fraction, exp.collapse_steps),
+    }
 
 
-def _arm_stats(results: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
-    ttt = [tokens_to(r, target) for r in results] if target is not None else []
-    steps = [r["steps"][r["tokens"].index(t)] for r, t in zip(results, ttt, strict=False) if t]
+def _arm_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
+    budgets = sorted({b for r in results for b in r["heldout"]})
+    thresholds = sorted({th for r in results for th in r["to_threshold"]})
     return {
         "seeds": len(results),
+        "seed_list": [r["seed"] for r in results],
         "final": [r["final"] for r in results],
         "held_out": [r["held_out"] for r in results],
+        "heldout": {b: [r["heldout"].get(b) for r in results] for b in budgets},
         "total_tokens": [r["total_tokens"] for r in results],
-        "tokens_to_target": ttt,
-        "steps_to_target": steps,
-        "reached": sum(t is not None for t in ttt),
+        "to_threshold": {th: [r["to_threshold"][th] for r in results] for th in thresholds},
         "surges": sum(len(r["surges"]) for r in results),
+        "clip_fraction": [r["clip_fraction"] for r in results],
+        **{key: [r[key] for r in results] for key in ("length_cv_start", "energy_cv_start",
+                                                      "reward_spread_start")},  # fmt: skip
         "collapses": [r["collapse"] for r in results],
         "decays": [r["decays"] for r in results],
         "first_surge": [r["surges"][0] if r["surges"] else None for r in results],
     }
 
 
+def prompt_check(per_arm: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Steps at which two arms of one seed scored different prompts (empty: the protocol held). Arms
+    with different prompts per step cannot match and are not compared."""
+    problems = []
+    by_seed: dict[int, list[tuple[str, list]]] = {}
+    for arm, runs in per_arm.items():
+        for r in runs:
+            by_seed.setdefault(r["seed"], []).append((arm, r["prompts"]))
+    for seed, arms in sorted(by_seed.items()):
+        (first, ref), *rest = arms
+        for arm, digests in rest:
+            bad = [i + 1 for i, (a, b) in enumerate(zip(ref, digests, strict=False)) if a and b and a != b]
+            if bad:
+                problems.append(f"seed {seed}: {arm} and {first} differ at {len(bad)} steps (first {bad[0]})")
+    return problems
+
+
+def _seed_values(results: list[dict[str, Any]], get: Any) -> dict[int, float]:
+    out = {}
+    for r in results:
+        value = get(r)
+        if value is not None and math.isfinite(value):
+            out[r["seed"]] = value
+    return out
+
+
+def compare_arms(exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[dict[str, Any]]]
+                 ) -> dict[str, Any]:  # fmt: skip
+    """One comparison of the YAML's `comparisons`: paired intervals of held-out reward at each budget
+    (candidate budget against the baseline's, `baseline_budgets` when they differ) and, for `better`
+    claims, of tokens saved to each threshold (over seeds where both arms reached it); its verdict."""
+    kind, margin = spec.get("kind", "better"), float(spec.get("margin", 0.0))
+    cand, base = per_arm.get(spec["candidate"], []), per_arm.get(spec["baseline"], [])
+    budgets = [int(b) for b in spec.get("budgets", [])]
+    base_budgets = [int(b) for b in spec.get("baseline_budgets", budgets)]
+    heldout, verdicts = [], []
+    for b, bb in zip(budgets, base_budgets, strict=True):
+        diffs = paired(_seed_values(cand, lambda r, b=b: r["heldout"].get(b)),
+                       _seed_values(base, lambda r, bb=bb: r["heldout"].get(bb)))  # fmt: skip
+        ci = t_interval(diffs, exp.confidence)
+        v = verdict(kind, ci, margin)
+        heldout.append({"budget": b, "baseline_budget": bb, "interval": ci, "verdict": v})
+        verdicts.append(v)
+    tokens = []
+    for th in exp.thresholds if kind == "better" else []:
+        saved = paired(_seed_values(base, lambda r, th=th: r["to_threshold"][th]),
+                       _seed_values(cand, lambda r, th=th: r["to_threshold"][th]))  # fmt: skip
+        ci = t_interval(saved, exp.confidence)
+        reached = (sum(t is not None for t in (r["to_threshold"][th] for r in cand)),
+                   sum(t is not None for t in (r["to_threshold"][th] for r in base)))  # fmt: skip
+        v = verdict(kind, ci)
+        tokens.append({"threshold": th, "interval": ci, "verdict": v, "reached": reached})
+        verdicts.append(v)
+    return {**spec, "kind": kind, "margin": margin, "heldout": heldout, "tokens": tokens,
+            "verdict": combine(verdicts) if verdicts else NOT_TESTED}  # fmt: skip
+
+
 def analyse(exp: Experiment, runs: list[Run]) -> dict[str, Any]:
-    """Per-arm statistics over seeds: {"target", "note", "arms": {arm: {...}}, "runs": {arm: [run...]}}."""
+    """{"arms": {arm: per-arm stats}, "runs": {arm: [per-run...]}, "comparisons": [...],
+    "prompt_problems": [...]}, over the runs that finished."""
     per_arm: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         if (run.dir / "summary.json").is_file():
             batch = int(run.overrides.get("per_device_train_batch_size", 1))
             per_arm.setdefault(run.arm, []).append(analyse_run(run.dir, exp, run.seed, batch))
-    target, note = _target(exp, per_arm)
-    arms = {arm: _arm_stats(results, target) for arm, results in per_arm.items()}
-    theirs = [t for t in arms.get(exp.reference or "", {}).get("tokens_to_target", []) if t is not None]
-    for stats in arms.values():
-        mine = [t for t in stats["tokens_to_target"] if t is not None]
-        stats["token_saving"] = (
-            1 - statistics.fmean(mine) / statistics.fmean(theirs) if mine and theirs and
-            stats["reached"] == stats["seeds"] else None
-        )  # fmt: skip
-    return {"target": target, "note": note, "arms": arms, "runs": per_arm}
+    return {
+        "arms": {arm: _arm_stats(results) for arm, results in per_arm.items()},
+        "runs": per_arm,
+        "comparisons": [compare_arms(exp, c, per_arm) for c in exp.comparisons],
+        "prompt_problems": prompt_check(per_arm),
+    }
+
+
+def interval_json(ci: Interval) -> dict[str, float]:
+    return {"mean": ci.mean, "lo": ci.lo, "hi": ci.hi, "n": ci.n, "confidence": ci.confidence}

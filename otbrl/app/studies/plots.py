@@ -51,31 +51,97 @@ def plot_curves(metrics: Path, png: Path, title: str = "") -> None:
     _save(fig, png, dpi=110)
 
 
-def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> None:
-    """An experiment (`outcomes.analyse` result): smoothed reward against generated tokens, gradient norm
-    and mean length against step, one colour per arm; `smoothing` says what the reward is averaged over."""
+def plot_figure(draw: Any, png: Path, title: str) -> None:
+    """One panel drawn by `draw(ax)`, saved to `png`."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    draw(ax)
+    ax.set_title(title, fontsize=10)
+    _save(fig, png, dpi=100)
+
+
+STYLES = ["-", "--", "-.", ":"]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+
+def band(xs: list[list[float]], ys: list[list[float]], points: int = 60) -> tuple[Any, Any, Any]:
+    """Mean and 95% t band over runs of curves y(x), each interpolated onto a common grid of x up to the
+    shortest run's end. (grid, mean, half-width); half-width 0 for a single run."""
+    import numpy as np
+    from scipy import stats
+
+    end = min(x[-1] for x in xs)
+    grid = np.linspace(max(x[0] for x in xs), end, points)
+    curves = np.stack([np.interp(grid, x, y) for x, y in zip(xs, ys, strict=True)])
+    n = len(curves)
+    mean = curves.mean(axis=0)
+    if n < 2:
+        return grid, mean, np.zeros_like(mean)
+    half = stats.t.ppf(0.975, n - 1) * curves.std(axis=0, ddof=1) / np.sqrt(n)
+    return grid, mean, half
+
+
+def _arm_band(ax: Any, runs: list[dict[str, Any]], x: str, y: str, style: dict[str, Any], label: str,
+              log_y: bool = False) -> None:  # fmt: skip
+    import numpy as np
+
+    usable = [r for r in runs if len(r[x]) > 1]
+    if not usable:
+        return
+    ys = [np.log(np.clip(np.nan_to_num(r[y], nan=0.0), 1e-12, None)) if log_y else r[y] for r in usable]
+    grid, mean, half = band([r[x] for r in usable], ys)
+    lo, mid, hi = (np.exp(v) for v in (mean - half, mean, mean + half)) if log_y else (mean - half, mean,
+                                                                                          mean + half)
+    ax.plot(grid, mid, label=f"{label} (n={len(usable)})", markevery=12, ms=4, lw=1.6, **style)
+    ax.fill_between(grid, lo, hi, color=style["color"], alpha=0.15, lw=0)
+
+
+def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> None:
+    """An experiment (`outcomes.analyse` result), mean over seeds with a 95% t band per arm, distinct
+    line style and marker per arm (curves that coincide stay visible): smoothed train reward and mean
+    completion length against generated tokens, held-out reward at each token budget (95% intervals),
+    and the smoothed pre-clip gradient norm (log scale) against step."""
+    import numpy as np
+    from scipy import stats
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    (reward_ax, heldout_ax), (length_ax, norm_ax) = axes
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (arm, runs) in enumerate(result["runs"].items()):
-        c = colours[i % len(colours)]
-        for j, r in enumerate(runs):
-            label = arm if j == 0 else None
-            axes[0].plot(r["tokens"], r["smooth"], color=c, lw=1.3, alpha=0.8, label=label)
-            axes[1].plot(r["steps"], r["grad_norm"], color=c, lw=0.8, alpha=0.7, label=label)
-            axes[2].plot(r["steps"], r["length"], color=c, lw=0.8, alpha=0.7, label=label)
+    arms = list(result["runs"].items())
+    for i, (arm, runs) in enumerate(arms):
+        style = {"color": colours[i % len(colours)], "ls": STYLES[i % len(STYLES)],
+                 "marker": MARKERS[i % len(MARKERS)]}  # fmt: skip
+        _arm_band(reward_ax, runs, "tokens", "smooth", style, arm)
+        _arm_band(length_ax, runs, "tokens", "length", style, arm)
+        smoothed = [{**r, "norm": moving_average([n if n == n else 0.0 for n in r["grad_norm"]], 5, False)}
+                    for r in runs]  # fmt: skip
+        _arm_band(norm_ax, smoothed, "steps", "norm", style, arm, log_y=True)
+        budgets = sorted({b for r in runs for b in r["heldout"]})
+        xs, means, halves = [], [], []
+        for b in budgets:
+            vals = [r["heldout"][b] for r in runs if b in r["heldout"] and r["heldout"][b] == r["heldout"][b]]
+            if not vals:
+                continue
+            xs.append(b * (1 + 0.03 * (i - len(arms) / 2)) if b else 0.0)  # side by side, not on top
+            means.append(float(np.mean(vals)))
+            halves.append(float(stats.t.ppf(0.975, len(vals) - 1) * np.std(vals, ddof=1) / np.sqrt(len(vals)))
+                          if len(vals) > 1 else 0.0)  # fmt: skip
+        heldout_ax.errorbar(xs, means, yerr=halves, capsize=3, label=arm, **{**style, "ms": 5})
+        for r in runs:
             for s in r["surges"]:
-                axes[1].plot([s], [r["grad_norm"][r["steps"].index(s)]], "v", color=c, ms=5)
-            for s in r["decays"]:
-                axes[2].axvline(s, color=c, ls=":", alpha=0.6)
-    if result["target"] is not None:
-        axes[0].axhline(result["target"], color="grey", ls="--", lw=1, label="target")
-    axes[0].set(xlabel="generated tokens", ylabel=f"train reward (centred mean over {smoothing})")
-    axes[0].set_xscale("log")
-    axes[1].set(xlabel="step", ylabel="gradient norm (▼ surge)", yscale="log")
-    axes[2].set(xlabel="step", ylabel="mean completion length (: lr decay)")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+                norm_ax.axvline(s, color=style["color"], alpha=0.25, lw=0.8)
+    reward_ax.set(xlabel="generated tokens", ylabel=f"train reward (centred mean over {smoothing})")
+    length_ax.set(xlabel="generated tokens", ylabel="mean completion length (tokens)")
+    heldout_ax.set(xlabel="generated tokens (budget)", ylabel="held-out reward (mean, 95% CI)")
+    norm_ax.set(xlabel="step", ylabel="pre-clip gradient norm (trailing mean of 5; lines: surges)",
+                yscale="log")  # fmt: skip
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 3)) if ax is not norm_ax else None
+    reward_ax.legend(fontsize=8, loc="best")
+    heldout_ax.legend(fontsize=8, loc="best")
+    fig.suptitle(title + "\n(lines: mean over seeds; bands: 95% t interval)", fontsize=10)
     _save(fig, png, dpi=100)
 
 

@@ -1,183 +1,125 @@
-"""Rows of claims.md made from `otbrl compare` experiments (token efficiency, stability, tool use, LR
-decay). Each finds its arms by the roles the experiment's YAML gives them (`roles:` and `reference`), so
-an arm renamed in the YAML is followed here, and a role the YAML does not name is a clear error."""
+"""Rows of claims.md made from `otbrl compare` experiments' JSON results: one row per paired comparison
+the experiment's YAML names (its `claim`, endpoints and verdict), the stability claim from the
+learning-rate ladder and the length-triggered LR decay question. Arms are found by the roles the YAML
+gives them, so a renamed arm is followed here and a missing role is a clear error."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
 from otbrl.app.studies.experiment import arm_names, load_experiment
-from otbrl.app.studies.report import mean_sd
+from otbrl.app.studies.inference import NOT_TESTED, Interval, combine, rule, t_interval, verdict
+from otbrl.app.studies.ladder import cells, critical_lr, stability_verdict
 
 Row = tuple[str, str, str, str]  # claim, measurement, verdict, command
 
 
-def _k(x: float) -> str:
-    return f"{x / 1000:.1f}k"
+def _interval(d: dict[str, Any]) -> Interval:
+    nan = math.nan
+    return Interval(*(nan if d[k] is None else d[k] for k in ("mean", "lo", "hi")), d["n"], d["confidence"])
 
 
-def _collapsed(arm: dict[str, Any]) -> int:
-    return sum(c is not None for c in arm["collapses"])
+def _k(tokens: float) -> str:
+    return f"{tokens / 1000:g}k"
 
 
-def _efficiency_lines(arms: dict[str, Any], ref: str, cand: str, same_n: str) -> list[str]:
-    lines = []
-    for name, a in arms.items():
-        saving = a.get("token_saving")
-        reached = [t for t in a["tokens_to_target"] if t is not None]
-        lines.append(
-            f"{name}: final {mean_sd(a['final'])}, reached {a['reached']}/{a['seeds']}"
-            + (f" after {_k(statistics.fmean(reached))} tokens" if reached else "")
-            + (f" ({100 * saving:.0f}% fewer than {ref})" if saving is not None else "")
-        )
-    otb, mean4 = arms[cand], arms.get(same_n)
-    if mean4 is not None:  # how much of the saving is OTB's own, not just the small group's
-        their = mean4.get("token_saving")
-        lines.append(
-            f"OTB against the group mean at the same N=4: final {statistics.fmean(otb['final']):.3f} vs "
-            f"{statistics.fmean(mean4['final']):.3f}"
-            + (f", tokens saved {100 * otb['token_saving']:.0f}% vs {100 * their:.0f}%"
-               if their is not None and otb.get("token_saving") is not None else "")
-        )  # fmt: skip
-    big = arms.get(ref)
-    if big and big.get("steps_to_target") and otb.get("steps_to_target"):
-        lines.append(
-            f"per optimiser step the big groups are faster: {statistics.fmean(big['steps_to_target']):.0f} "
-            f"steps to the target for {ref} vs {statistics.fmean(otb['steps_to_target']):.0f} for {cand}"
-        )
-    return lines
+def horizon(res: dict[str, Any], task: str) -> str:
+    """'walk: within-group length CV 0.53, energy CV 1.1, reward spread in 92% of groups' from the runs'
+    first steps (every arm of every seed)."""
+    parts = []
+    for key, label in (("length_cv_start", "within-group length CV"), ("energy_cv_start", "energy CV")):
+        values = [v for a in res["arms"].values() for v in a.get(key, []) if v is not None and v == v]
+        if values:
+            parts.append(f"{label} {statistics.fmean(values):.2f}")
+    spread = [v for a in res["arms"].values() for v in a.get("reward_spread_start", []) if v == v]
+    if spread:
+        parts.append(f"reward spread in {statistics.fmean(spread):.0%} of groups")
+    return f"{task}" + (f" ({', '.join(parts)}, over the runs' first 10 steps)" if parts else "")
 
 
-def efficiency_claim(res: dict[str, Any], experiment: str = "efficiency", task: str = "running_sum16") -> Row:
-    """Claim (b) from an efficiency experiment; roles reference, candidate, same_n_baseline."""
+def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
+    """One row per comparison in `<experiment>.json` (written by `otbrl compare`)."""
     exp = load_experiment(experiment)
-    ref, cand, same_n = (exp.role(r) for r in ("reference", "candidate", "same_n_baseline"))
-    arms, target = res["arms"], res["target"]
-    otb = arms.get(cand)
-    claim = (f"(b) Group size N=4 with OTB matches N=32 with GRPO while generating over 65% fewer tokens "
-             f"(62% single-turn). [{task}]")  # fmt: skip
-    if otb is None:
-        return claim, "not measured", "—", f"`otbrl compare {experiment}`"
-    if target is None:
-        finals = "; ".join(
-            f"{n}: final {mean_sd(a['final'])}, held-out {mean_sd(a['held_out'])}" for n, a in arms.items()
-        )
-        verdict = "**not measurable** here: the reference arm did not improve"
-        return claim, f"{res.get('note') or 'no target'} {finals}.", verdict, f"`otbrl compare {experiment}`"
-    saving = otb.get("token_saving")
-    if otb["reached"] == otb["seeds"] and saving is not None and saving >= 0.65:
-        verdict = "held"
-    elif otb["reached"] > 0:
-        verdict = "partly"
-    else:
-        verdict = "did not hold"
-    return (
-        claim,
-        f"Target {target:.3f} ({exp.target_fraction:.0%} of {ref}'s final train reward); {len(exp.seeds)} "
-        "seeds: " + "; ".join(_efficiency_lines(arms, ref, cand, same_n)) + ".",
-        f"**{verdict}** (rule: held if {cand} reaches the target in every seed with ≥ 65% fewer tokens than "
-        f"{ref}; partly if it reaches it in some seeds)",
-        f"`otbrl compare {experiment}`",
-    )
+    task = horizon(res, exp.recipe)
+    rows = []
+    for c in res["comparisons"]:
+        parts = []
+        for h in c["heldout"]:
+            at = _k(h["budget"]) + (f" vs {_k(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"]
+                                    else "")  # fmt: skip
+            parts.append(f"held-out reward @{at}: {_interval(h['interval'])}")
+        for t in c["tokens"]:
+            parts.append(f"tokens saved to train reward {t['threshold']:g}: "
+                         f"{_interval(t['interval']).text(thousands=True)}, reached in "
+                         f"{t['reached'][0]}/{t['reached'][1]} seeds")  # fmt: skip
+        seeds = len(load_experiment(experiment).arm_seeds(c["baseline"]))
+        measured = (f"{task}; {c['candidate']} − {c['baseline']}, paired over {seeds} seeds, mean "
+                    f"[{exp.confidence:.0%} CI]: " + "; ".join(parts) + ".")  # fmt: skip
+        why = rule(c["kind"], c.get("margin", 0.0), exp.confidence)
+        rows.append((c.get("claim", c["name"]), measured,
+                     f"**{c['verdict']}** (rule: {why}; all endpoints must agree)",
+                     f"`otbrl compare {experiment}`"))  # fmt: skip
+    return rows
 
 
-def stability_claim(res: dict[str, Any], experiment: str = "stress") -> Row:
-    """Claim (c) from the stress experiment; roles candidate, group_mean (a list), leave_one_out."""
+def _collapsed_text(rungs: dict[float, dict[int, bool]]) -> str:
+    return ", ".join(f"{sum(s.values())}/{len(s)} @ {lr:g}" for lr, s in sorted(rungs.items()))
+
+
+def stability_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
+    """Claim (c) from a learning-rate ladder; roles candidate, group_mean (a list), control."""
     exp = load_experiment(experiment)
     cand, means = exp.role("candidate"), list(arm_names(exp.role("group_mean")))
-    arms = res["arms"]
-    names = [n for n in (*means, cand, exp.role("leave_one_out")) if n in arms]
-    parts = [
-        f"{n}: collapsed {_collapsed(arms[n])}/{arms[n]['seeds']}, {arms[n]['surges']} grad-norm surges, "
-        f"final {mean_sd(arms[n]['final'])}"
-        for n in names
-    ]
-    if cand not in arms:
-        return ("(c) OTB prevents gradient-norm surges and collapse.", "not measured", "—",
-                f"`otbrl compare {experiment}`")  # fmt: skip
-    otb = arms[cand]
-    baselines = [arms[n] for n in means if n in arms]
-    fewer_collapses = all(_collapsed(otb) < _collapsed(m) for m in baselines)
-    fewer_surges = all(otb["surges"] < m["surges"] for m in baselines)
-    if not any(_collapsed(m) for m in baselines) and not any(m["surges"] for m in baselines):
-        verdict = "not tested (the group-mean runs neither collapsed nor surged)"
-    elif fewer_collapses and fewer_surges and _collapsed(otb) == 0:
-        verdict = "held"
-    elif fewer_collapses or fewer_surges:
-        verdict = "partly"
-    else:
-        verdict = "did not hold"
+    table = cells(res["arms"])
+    parts = []
+    for arm in (cand, *means, exp.roles.get("control")):
+        if arm in table:
+            crit = critical_lr(table[arm])
+            crit_text = "none (no rung collapsed half its seeds)" if crit is None else f"{crit:g}"
+            parts.append(f"{arm}: collapsed {_collapsed_text(table[arm])}; critical lr {crit_text}")
+    result, intervals = stability_verdict(res["arms"], cand, means, exp.confidence)
+    parts += [f"collapses {b} − {cand} over (rung, seed): {ci}" for b, ci in intervals]
     return (
-        "(c) OTB prevents the gradient-norm surges that precede training collapse.",
-        "Stress setting (running_sum48, lr 3e-4, N=4, 3 seeds): " + "; ".join(parts) + ".",
-        f"**{verdict}** (rule: held if OTB never collapsed and had fewer collapses and surges than each "
-        "group-mean arm; partly if fewer of one)",
+        "(c) OTB prevents the training collapse that small groups suffer at high learning rates.",
+        f"{horizon(res, exp.recipe)}; learning-rate ladder, N=4, {len(exp.seeds)} seeds per rung: "
+        + "; ".join(parts) + ".",
+        f"**{result}** (rule: collapse indicators paired by (rung, seed), baseline minus OTB; "
+        f"{rule('better', 0.0, exp.confidence)} — against each group-mean arm; not tested if no "
+        "group-mean run collapsed)",
         f"`otbrl compare {experiment}`",
     )
 
 
-def tir_claim(res: dict[str, Any], experiment: str = "tir") -> Row:
-    """The tool-use claim from the TIR experiment; roles candidate, same_n_baseline."""
+def lr_decay_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
+    """Role `lr_decay`: base arm -> its length-triggered decay variant, compared at the variant's rungs:
+    collapse indicators paired by (rung, seed), base minus variant. Not tested where the trigger never
+    fired or the base arm never collapsed there."""
     exp = load_experiment(experiment)
     arms = res["arms"]
-    parts = [
-        f"{n}: final {mean_sd(a['final'])}, held-out {mean_sd(a['held_out'])}, "
-        f"reached {a['reached']}/{a['seeds']}"
-        + (f", {100 * a['token_saving']:.0f}% fewer tokens to target" if a.get("token_saving") else "")
-        for n, a in arms.items()
-    ]
-    otb, mean = arms.get(exp.role("candidate")), arms.get(exp.role("same_n_baseline"))
-    verdict = "—"
-    if otb and mean:
-        better = statistics.fmean(otb["final"]) > statistics.fmean(mean["final"])
-        saving = otb.get("token_saving")
-        verdict = "held" if better and saving and saving > 0 else ("partly" if better or (saving or 0) > 0
-                                                                   else "did not hold")  # fmt: skip
-    target = res.get("target")
-    return (
-        "OTB also helps in multi-turn tool-integrated reasoning (66% fewer tokens in the blog's TIR runs).",
-        f"tir_product3 (calculator, up to 3 turns), N=4, 3 seeds, target {target:.3f}: " + "; ".join(parts)
-        if target is not None
-        else "not measured",
-        f"**{verdict}** (rule: held if OTB ends higher than the group mean and reaches the target with "
-        "fewer tokens)",
-        f"`otbrl compare {experiment}`",
-    )
-
-
-def lr_decay_question(res: dict[str, Any], experiment: str = "stress") -> Row:
-    """Role `lr_decay`: base arm -> {kind: arm} of its LR-decay variants; kind `length` is required (the
-    length-triggered decay the question is about); kinds with "length" in them report their triggers."""
-    exp = load_experiment(experiment)
-    arms = res["arms"]
-    parts, better, fired = [], [], 0
-    for base, variants in exp.role("lr_decay").items():
-        if not isinstance(variants, dict) or "length" not in variants:
-            raise ValueError(f"experiment {exp.name}: roles: lr_decay: {base} needs a `length` variant")
-        for kind, name in [("", base), *variants.items()]:
-            a = arms.get(name)
-            if a is None:
-                continue
-            triggers = sum(len(d) for d in a["decays"])
-            parts.append(
-                f"{name}: collapsed {_collapsed(a)}/{a['seeds']}, final {mean_sd(a['final'])}"
-                + (f", {triggers} LR-decay triggers" if "length" in kind else "")
-            )
-        length = arms.get(variants["length"])
-        fired += sum(len(d) for d in length["decays"]) if length else 0
-        if base in arms and length:
-            better.append(_collapsed(length) < _collapsed(arms[base]))
-    if not better:
-        verdict = "—"
-    elif fired == 0:
-        verdict = "**not tested**: the length never surged here, so the length trigger never fired"
-    else:
-        verdict = "**held**" if all(better) else ("**partly**" if any(better) else "**did not hold**")
+    table = cells(arms)
+    parts, verdicts = [], []
+    for base, variant in exp.role("lr_decay").items():
+        if not isinstance(variant, str):
+            raise ValueError(f"experiment {exp.name}: roles: lr_decay: {base} must name one arm")
+        mine = table.get(variant, {})
+        fired = sum(len(d) for arm, a in arms.items() if arm.startswith(variant + "@") for d in a["decays"])
+        diffs = []
+        for lr, seeds in sorted(mine.items()):
+            theirs = table.get(base, {}).get(lr, {})
+            diffs += [float(theirs[s]) - float(c) for s, c in seeds.items() if s in theirs]
+            parts.append(f"{base} collapsed {sum(theirs.values())}/{len(theirs)} @ {lr:g}, with the decay "
+                         f"{sum(seeds.values())}/{len(seeds)}")  # fmt: skip
+        parts.append(f"{variant}: {fired} LR-decay triggers")
+        base_collapsed = sum(sum(table.get(base, {}).get(lr, {}).values()) for lr in mine)
+        ci = t_interval(diffs, exp.confidence)
+        verdicts.append(NOT_TESTED if fired == 0 or base_collapsed == 0 else verdict("better", ci))
     return (
         "(companion paper, arXiv 2602.01826) Decaying the LR on a response-length surge prevents collapse.",
-        "Stress setting: " + "; ".join(parts) + "." if parts else "not measured",
-        verdict + " (rule: held if the length-triggered arms collapse in fewer seeds than their base arms; "
-        f"[{exp.name}.md]({exp.name}.md) has when each trigger fired against the first gradient-norm surge)",
+        f"{exp.recipe}, learning-rate ladder: " + "; ".join(parts) + ".",
+        f"**{combine(verdicts)}** (rule: collapse indicators paired by seed at the same rung, base minus "
+        f"decay, {rule('better', 0.0, exp.confidence)}; not tested where the trigger never fired or the "
+        "base arm never collapsed)",
         f"`otbrl compare {experiment}`",
     )

@@ -32,7 +32,7 @@ from otbrl.integrations.trl.config import OTBGRPOConfig
 from otbrl.integrations.trl.rewards import GuardedReward
 from otbrl.integrations.trl.rollout import ENERGY_FIELD
 from otbrl.lm import base_model, check_head, completion_energy
-from otbrl.stability import batch_diagnostics
+from otbrl.stability import batch_diagnostics, group_horizons
 
 
 class _Tap:
@@ -236,8 +236,10 @@ class OTBGRPOTrainer(GRPOTrainer):
 
         metrics = self._metrics[mode]
         diag = batch_diagnostics(res.advantages, all_energy, all_mask)
+        diag |= group_horizons(all_mask, all_energy, rewards, group_ids)
         for key, value in diag.items():
-            if spec.needs_energy or key.startswith("adv/"):  # no energy was computed: it would read 0
+            # no energy was computed: its statistics would read 0
+            if spec.needs_energy or (key.startswith(("adv/", "horizon/")) and "energy" not in key):
                 metrics[f"otb/{key}"].append(value)
         # Reward functions ran on each rank's own completions: add this batch's failures on all ranks to
         # the run's total (logged as a running count).

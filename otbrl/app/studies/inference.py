@@ -1,0 +1,106 @@
+"""Paired comparisons between two arms of an experiment and the verdict rules of claims.md.
+
+Arms of one seed share their warm start, their prompts at every step and their held-out prompts, so a
+comparison is made per seed (candidate minus baseline) and the per-seed differences get a Student t
+interval: with 3-5 seeds the normal quantile would understate the width by up to 2x.
+
+Verdicts, one of four:
+- `better` claims (the candidate improves on the baseline): held if the interval lies above 0, did not
+  hold if it lies below 0, inconclusive if it spans 0;
+- `matches` claims (the candidate is no worse than the baseline, within `margin`): held if the interval
+  lies above -margin, did not hold if it lies below -margin, inconclusive otherwise;
+- not tested when fewer than two seeds pair up, or when the phenomenon the claim is about did not occur.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+HELD, NOT_HELD, INCONCLUSIVE, NOT_TESTED = "held", "did not hold", "inconclusive", "not tested"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Mean of n paired differences and its two-sided t interval at `confidence` (lo = hi = nan, n < 2)."""
+
+    mean: float
+    lo: float
+    hi: float
+    n: int
+    confidence: float
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def text(self, thousands: bool = False) -> str:
+        """'+0.012 [-0.004, +0.028] (n=5)'; thousands: '+1.2k [-0.4k, +2.8k] (n=5)'."""
+        f = (lambda v: f"{v / 1000:+.1f}k") if thousands else (lambda v: f"{v:+.3f}")
+        if self.n == 0:
+            return "— (n=0)"
+        if self.n < 2:
+            return f"{f(self.mean)} (n=1, no interval)"
+        return f"{f(self.mean)} [{f(self.lo)}, {f(self.hi)}] (n={self.n})"
+
+
+def t_interval(values: list[float], confidence: float = 0.95) -> Interval:
+    """Student t interval for the mean of `values` (independent draws, e.g. one per seed)."""
+    from scipy import stats
+
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence: must be in (0, 1), got {confidence}")
+    values = [float(v) for v in values]
+    if any(not math.isfinite(v) for v in values):
+        raise ValueError(f"values: must be finite, got {values}")
+    n = len(values)
+    if n == 0:
+        return Interval(math.nan, math.nan, math.nan, 0, confidence)
+    mean = statistics.fmean(values)
+    if n < 2:
+        return Interval(mean, math.nan, math.nan, n, confidence)
+    half = stats.t.ppf(0.5 + confidence / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n, confidence)
+
+
+def paired(candidate: Mapping[int, float], baseline: Mapping[int, float]) -> list[float]:
+    """Per-seed differences candidate - baseline over the seeds both have (in seed order)."""
+    return [candidate[s] - baseline[s] for s in sorted(set(candidate) & set(baseline))]
+
+
+def verdict(kind: str, interval: Interval, margin: float = 0.0) -> str:
+    """The verdict of a `better` or `matches` claim from the interval of candidate - baseline."""
+    if kind not in ("better", "matches"):
+        raise ValueError(f"kind: 'better' or 'matches', got {kind!r}")
+    if interval.n < 2:
+        return NOT_TESTED
+    floor = 0.0 if kind == "better" else -abs(margin)
+    if interval.lo > floor:
+        return HELD
+    if interval.hi < floor:
+        return NOT_HELD
+    return INCONCLUSIVE
+
+
+def rule(kind: str, margin: float = 0.0, confidence: float = 0.95) -> str:
+    """The verdict rule in words, as claims.md states it next to each verdict."""
+    ci = f"the {confidence:.0%} t interval of the paired per-seed difference"
+    if kind == "better":
+        return (f"held if {ci} lies above 0, did not hold if below 0, inconclusive if it spans 0, "
+                "not tested if fewer than 2 seeds pair up")  # fmt: skip
+    return (f"held if {ci} lies above -{abs(margin):g}, did not hold if below -{abs(margin):g}, "
+            "inconclusive otherwise, not tested if fewer than 2 seeds pair up")  # fmt: skip
+
+
+def combine(verdicts: list[str]) -> str:
+    """One verdict from several (e.g. one per token budget): held or did not hold only if all agree;
+    not tested only if nothing was tested; inconclusive otherwise."""
+    tested = [v for v in verdicts if v != NOT_TESTED]
+    if not tested:
+        return NOT_TESTED
+    if all(v == HELD for v in tested):
+        return HELD
+    if all(v == NOT_HELD for v in tested):
+        return NOT_HELD
+    return INCONCLUSIVE

@@ -1,0 +1,100 @@
+"""A learning-rate ladder (an experiment with `ladder:`; arms named `arm@lr`): per estimator, the share of
+seeds that collapsed at each rung, the critical learning rate (the lowest rung where at least half the
+seeds collapsed), and the paired collapse comparison between two estimators over every (rung, seed)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from otbrl.app.studies.inference import NOT_TESTED, Interval, combine, paired, t_interval, verdict
+from otbrl.app.studies.report import markdown_table
+
+
+def split(arm: str) -> tuple[str, float]:
+    """'otb-N4@0.0002' -> ('otb-N4', 0.0002)."""
+    base, _, lr = arm.rpartition("@")
+    if not base:
+        raise ValueError(f"{arm!r} is not a ladder arm (arm@lr)")
+    return base, float(lr)
+
+
+def cells(arms: dict[str, Any]) -> dict[str, dict[float, list[bool]]]:
+    """{base arm: {learning rate: {seed: collapsed?}}} from an experiment's per-arm statistics
+    (`outcomes.analyse(...)["arms"]`, or the same read back from its JSON)."""
+    out: dict[str, dict[float, dict[int, bool]]] = {}
+    for arm, stats in arms.items():
+        base, lr = split(arm)
+        out.setdefault(base, {})[lr] = {
+            seed: c is not None for seed, c in zip(stats["seed_list"], stats["collapses"], strict=True)
+        }
+    return out
+
+
+def critical_lr(rungs: dict[float, dict[int, bool]]) -> float | None:
+    """The lowest learning rate at which at least half of the seeds collapsed (None: none did)."""
+    for lr in sorted(rungs):
+        seeds = rungs[lr]
+        if seeds and sum(seeds.values()) >= len(seeds) / 2:
+            return lr
+    return None
+
+
+def collapse_difference(arms: dict[str, Any], candidate: str, baseline: str, confidence: float
+                        ) -> Interval:  # fmt: skip
+    """Paired over (rung, seed): baseline collapsed (1/0) minus candidate collapsed; > 0 favours the
+    candidate."""
+    table = cells(arms)
+    a, b = table.get(candidate, {}), table.get(baseline, {})
+    diffs = []
+    for lr in sorted(set(a) & set(b)):
+        diffs += paired({s: float(c) for s, c in b[lr].items()}, {s: float(c) for s, c in a[lr].items()})
+    return t_interval(diffs, confidence)
+
+
+def stability_verdict(arms: dict[str, Any], candidate: str, baselines: list[str], confidence: float
+                      ) -> tuple[str, list[tuple[str, Interval]]]:  # fmt: skip
+    """`better` on collapses against each baseline; not tested when no baseline run collapsed."""
+    table = cells(arms)
+    collapsed = sum(sum(seeds.values()) for b in baselines for seeds in table.get(b, {}).values())
+    intervals = [(b, collapse_difference(arms, candidate, b, confidence)) for b in baselines]
+    if collapsed == 0:
+        return NOT_TESTED, intervals
+    return combine([verdict("better", ci) for _, ci in intervals]), intervals
+
+
+def ladder_table(arms: dict[str, Any]) -> str:
+    """One row per estimator: collapsed seeds at each rung, the critical learning rate, surges, clipped
+    share of steps."""
+    table = cells(arms)
+    rates = sorted({lr for rungs in table.values() for lr in rungs})
+    rows = []
+    for base, rungs in table.items():
+        mine = [stats for arm, stats in arms.items() if split(arm)[0] == base]
+        clip = [c for s in mine for c in s["clip_fraction"] if c is not None and not math.isnan(c)]
+        crit = critical_lr(rungs)
+        rows.append([
+            base,
+            *(f"{sum(rungs[lr].values())}/{len(rungs[lr])}" if lr in rungs else "—" for lr in rates),
+            "none collapsed" if crit is None else f"{crit:g}",
+            sum(s["surges"] for s in mine),
+            f"{statistics.fmean(clip):.2f}" if clip else "—",
+        ])  # fmt: skip
+    head = ["arm", *(f"collapsed @ lr {lr:g}" for lr in rates), "critical lr", "surges", "clipped"]
+    return markdown_table(head, rows, aligned=False)
+
+
+def plot_ladder(arms: dict[str, Any], ax: Any) -> None:
+    """Share of seeds collapsed against the learning rate, one line style and marker per estimator."""
+    from otbrl.app.studies.plots import MARKERS, STYLES
+
+    for i, (base, rungs) in enumerate(cells(arms).items()):
+        lrs = sorted(rungs)
+        share = [statistics.fmean(float(c) for c in rungs[lr].values()) for lr in lrs]
+        jitter = 1 + 0.02 * (i - 2)  # side by side where shares coincide
+        style = {"ls": STYLES[i % len(STYLES)], "marker": MARKERS[i % len(MARKERS)]}
+        ax.plot([lr * jitter for lr in lrs], share, label=base, **style)
+    ax.set(xscale="log", xlabel="learning rate", ylabel="share of seeds collapsed", ylim=(-0.05, 1.05))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
