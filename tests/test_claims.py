@@ -8,14 +8,7 @@ import json
 import pytest
 
 from otbrl.app.studies.claims import variance_claim, write_claims
-from otbrl.app.studies.training_claims import efficiency_claim, lr_decay_question, stability_claim
-
-
-def _arm(final, reached, seeds=3, saving=None, collapses=(None, None, None), surges=0, tokens=1000.0):  # noqa: ANN001, ANN202
-    return {"seeds": seeds, "final": list(final), "held_out": list(final), "total_tokens": [tokens] * seeds,
-            "tokens_to_target": [tokens] * reached + [None] * (seeds - reached), "reached": reached,
-            "token_saving": saving, "collapses": list(collapses), "surges": surges,
-            "decays": [[] for _ in range(seeds)], "first_surge": [None] * seeds}  # fmt: skip
+from otbrl.app.studies.training_claims import comparison_rows, lr_decay_row, stability_row
 
 
 def _variance(otb: list[float], mean: list[float]) -> dict:
@@ -36,80 +29,99 @@ def test_variance_verdicts() -> None:
     assert "N=4: 0.50 ± 0.01" in variance_claim(_variance([0.5, 0.8], [1.0, 1.0]))[1]
 
 
-def test_efficiency_verdicts() -> None:
-    base = {"grpo-N32": _arm([0.9] * 3, 3, saving=0.0, tokens=8000.0)}
-    held = {"target": 0.8, "arms": {**base, "otb-N4": _arm([0.85] * 3, 3, saving=0.7)}}
-    partly = {"target": 0.8, "arms": {**base, "otb-N4": _arm([0.85] * 3, 3, saving=0.5)}}
-    some = {"target": 0.8, "arms": {**base, "otb-N4": _arm([0.7] * 3, 1)}}
-    never = {"target": 0.8, "arms": {**base, "otb-N4": _arm([0.5] * 3, 0)}}
-    assert "**held**" in efficiency_claim(held)[2]
-    assert "**partly**" in efficiency_claim(partly)[2]
-    assert "**partly**" in efficiency_claim(some)[2]
-    assert "**did not hold**" in efficiency_claim(never)[2]
-    assert "70% fewer than grpo-N32" in efficiency_claim(held)[1]
+def _ci(mean: float, lo: float, hi: float, n: int = 5) -> dict:
+    return {"mean": mean, "lo": lo, "hi": hi, "n": n, "confidence": 0.95}
 
 
-def test_stability_verdicts() -> None:
-    collapsing = _arm([0.1] * 3, 0, collapses=(10, 12, None), surges=4)
-    calm = _arm([0.5] * 3, 0)
-    assert "**held**" in stability_claim({"arms": {"dr_grpo-N4": collapsing, "otb-N4": calm}})[2]
-    assert (
-        "**did not hold**" in stability_claim({"arms": {"dr_grpo-N4": collapsing, "otb-N4": collapsing}})[2]
-    )
-    half = _arm([0.3] * 3, 0, collapses=(9, None, None), surges=5)
-    assert "**partly**" in stability_claim({"arms": {"dr_grpo-N4": collapsing, "otb-N4": half}})[2]
-    assert "not tested" in stability_claim({"arms": {"dr_grpo-N4": calm, "otb-N4": calm}})[2]
+def _comparison(name: str, kind: str, cand: str, base: str, heldout: list, verdict: str, **extra) -> dict:
+    return {"name": name, "claim": f"claim {name}", "kind": kind, "candidate": cand, "baseline": base,
+            "margin": extra.pop("margin", 0.0), "heldout": heldout, "tokens": extra.pop("tokens", []),
+            "verdict": verdict, **extra}  # fmt: skip
+
+
+def _walk_result() -> dict:
+    spreads = {"length_cv_start": [0.5, 0.56], "energy_cv_start": [1.0, 1.2],
+               "reward_spread_start": [0.9, 0.9]}  # fmt: skip
+    arms = {a: spreads for a in ("otb-N4", "grpo-N4")}
+    held = [{"budget": 100000, "baseline_budget": 100000, "interval": _ci(0.03, 0.01, 0.05),
+             "verdict": "held"}]  # fmt: skip
+    tokens = [{"threshold": 0.45, "interval": _ci(12000.0, -3000.0, 27000.0), "verdict": "inconclusive",
+               "reached": [5, 4]}]  # fmt: skip
+    matches = [{"budget": 300000, "baseline_budget": 900000, "interval": _ci(-0.01, -0.05, 0.03, n=3),
+                "verdict": "inconclusive"}]  # fmt: skip
+    return {"arms": arms, "comparisons": [
+        _comparison("OTB vs GRPO, N=4", "better", "otb-N4", "grpo-N4", held, "inconclusive", tokens=tokens),
+        _comparison("big", "matches", "otb-N4", "grpo-N32", matches, "inconclusive", margin=0.03),
+    ]}  # fmt: skip
+
+
+def test_comparison_rows_state_intervals_rule_and_horizon() -> None:
+    first, second = comparison_rows(_walk_result(), "walk")
+    claim, measured, verdict, command = first
+    assert claim == "claim OTB vs GRPO, N=4" and command == "`otbrl compare walk`"
+    assert "within-group length CV 0.53" in measured and "energy CV 1.10" in measured
+    assert "held-out reward @100k: +0.030 [+0.010, +0.050] (n=5)" in measured
+    assert "tokens saved to train reward 0.45: +12.0k [-3.0k, +27.0k] (n=5), reached in 5/4 seeds" in measured
+    assert "paired over 5 seeds" in measured
+    assert verdict.startswith("**inconclusive** (rule: held if the 95% t interval")
+    assert "@300k vs 900k: -0.010 [-0.050, +0.030] (n=3)" in second[1] and "paired over 3 seeds" in second[1]
+    assert "above -0.03" in second[2]
+
+
+def _ladder_arm(collapses: list, seeds=(0, 1), decays=None) -> dict:  # noqa: ANN001
+    return {"seed_list": list(seeds), "collapses": collapses, "surges": 0, "clip_fraction": [0.1, 0.2],
+            "decays": decays or [[] for _ in seeds]}  # fmt: skip
+
+
+def _ladder(otb: list[list], mean: list[list], decay: list | None = None, fired: bool = True) -> dict:
+    arms = {}
+    for lr, o, m in zip((1e-4, 2e-4, 4e-4), otb, mean, strict=True):
+        arms[f"otb-N4@{lr:g}"] = _ladder_arm(o)
+        arms[f"dr_grpo-N4@{lr:g}"] = _ladder_arm(m)
+        arms[f"grpo-N4@{lr:g}"] = _ladder_arm(m)
+    if decay is not None:
+        triggers = [[5], []] if fired else [[], []]
+        arms["dr_grpo-N4-length_decay@0.0004"] = _ladder_arm(decay, decays=triggers)
+        arms["otb-N4-length_decay@0.0004"] = _ladder_arm(decay, decays=triggers)
+    return {"arms": arms}
+
+
+def test_stability_verdicts_from_the_ladder() -> None:
+    calm = [[None, None]] * 3
+    falls = [[None, None], [12, 20], [8, 9]]  # collapses at 2e-4 and 4e-4
+    row = stability_row(_ladder(calm, falls))
+    assert row[2].startswith("**held**")  # 4 of 6 (rung, seed) pairs favour OTB, none against
+    assert "otb-N4: collapsed 0/2 @ 0.0001, 0/2 @ 0.0002, 0/2 @ 0.0004; critical lr none" in row[1]
+    assert "dr_grpo-N4: collapsed 0/2 @ 0.0001, 2/2 @ 0.0002, 2/2 @ 0.0004; critical lr 0.0002" in row[1]
+    assert stability_row(_ladder(falls, falls))[2].startswith("**inconclusive**")  # every difference 0
+    assert stability_row(_ladder(calm, calm))[2].startswith("**not tested**")
+    assert stability_row(_ladder(falls, calm))[2].startswith("**did not hold**")
+
+
+def test_lr_decay_row() -> None:
+    falls = [[None, None], [12, 20], [8, 9]]
+    kept = _ladder(falls, falls, decay=[None, None])
+    assert lr_decay_row(kept)[2].startswith("**held**")
+    assert "dr_grpo-N4 collapsed 2/2 @ 0.0004, with the decay 0/2" in lr_decay_row(kept)[1]
+    silent = _ladder(falls, falls, decay=[None, None], fired=False)
+    assert lr_decay_row(silent)[2].startswith("**not tested**")
+    same = _ladder(falls, falls, decay=[8, 9])
+    assert lr_decay_row(same)[2].startswith("**inconclusive**")
 
 
 def test_write_claims_reports_what_is_missing(tmp_path) -> None:
     (tmp_path / "variance.json").write_text(json.dumps(_variance([0.5, 0.8], [1.0, 1.0])))
+    (tmp_path / "walk.json").write_text(json.dumps(_walk_result()))
     text = write_claims(tmp_path).read_text()
-    assert "| (a) OTB lowers" in text and "**held**" in text
-    assert "Not run yet: efficiency, efficiency48, stress, tir." in text
-
-
-def test_no_target_when_the_reference_did_not_improve() -> None:
-    res = {"target": None, "note": "grpo-N32 did not improve", "arms": {"otb-N4": _arm([0.2] * 3, 0)}}
-    row = efficiency_claim(res, "efficiency48", "long")
-    assert "**not measurable**" in row[2] and "grpo-N32 did not improve" in row[1]
-
-
-def _experiment(tmp_path, roles: str) -> str:
-    path = tmp_path / "mine.yaml"
-    path.write_text(
-        "recipe: demo\nseeds: [0, 1, 2]\nreference: big\n"
-        "arms: {big: {}, small: {}, mean4: {}, small-len: {}}\n" + roles
-    )
-    return str(path)
-
-
-def test_claims_follow_the_roles_in_the_experiment_yaml(tmp_path) -> None:
-    spec = _experiment(tmp_path, "roles: {candidate: small, same_n_baseline: mean4}\n")
-    arms = {"big": _arm([0.9] * 3, 3, saving=0.0), "small": _arm([0.85] * 3, 3, saving=0.7),
-            "mean4": _arm([0.6] * 3, 0)}  # fmt: skip
-    measured, verdict = efficiency_claim({"target": 0.8, "arms": arms}, spec)[1:3]
-    assert "**held**" in verdict and "small reaches the target" in verdict and "than big" in verdict
-    assert "70% fewer than big" in measured and "final 0.850 vs 0.600" in measured
-    assert "otb-N4" not in measured + verdict and "grpo-N32" not in measured + verdict
+    assert "| (a) OTB lowers" in text and "| claim OTB vs GRPO, N=4 |" in text
+    assert "Not run yet: ladder, tir." in text
+    assert "[walk.md](walk.md)" in text and "[tir.md]" not in text
 
 
 def test_a_missing_role_is_a_clear_error(tmp_path) -> None:
-    spec = _experiment(tmp_path, "roles: {candidate: small}\n")
-    res = {"target": 0.8, "arms": {"small": _arm([0.85] * 3, 3, saving=0.7)}}
-    with pytest.raises(ValueError, match="no arm has the role 'same_n_baseline'.*roles:"):
-        efficiency_claim(res, spec)
-    with pytest.raises(ValueError, match="no arm has the role 'group_mean'"):
-        stability_claim({"arms": {}}, spec)
-    spec = _experiment(tmp_path, "roles: {lr_decay: {small: {linear: small-len}}}\n")
-    with pytest.raises(ValueError, match="lr_decay: small needs a `length` variant"):
-        lr_decay_question({"arms": {}}, spec)
-
-
-def test_lr_decay_question_reads_its_variants_from_the_roles(tmp_path) -> None:
-    spec = _experiment(tmp_path, "roles: {lr_decay: {small: {length: small-len}}}\n")
-    fired = _arm([0.5] * 3, 0, collapses=(None, None, None))
-    fired["decays"] = [[4], [], [6]]
-    res = {"arms": {"small": _arm([0.3] * 3, 0, collapses=(5, 6, None)), "small-len": fired}}
-    measured, verdict = lr_decay_question(res, spec)[1:3]
-    assert "small-len: collapsed 0/3, final 0.500 ± 0.000, 2 LR-decay triggers" in measured
-    assert verdict.startswith("**held**")
+    path = tmp_path / "mine.yaml"
+    path.write_text("recipe: demo\nseeds: [0]\nladder: [1.0e-4]\narms: {a: {}}\nroles: {candidate: a}\n")
+    with pytest.raises(ValueError, match="no arm has the role 'group_mean'.*roles:"):
+        stability_row({"arms": {}}, str(path))
+    with pytest.raises(ValueError, match="no arm has the role 'lr_decay'"):
+        lr_decay_row({"arms": {}}, str(path))

@@ -12,9 +12,15 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("otbrl.integrations.trl")
 
-from otbrl.app.studies.compare import compare, events, table  # noqa: E402
-from otbrl.app.studies.experiment import Experiment, experiment_names, load_experiment, plan  # noqa: E402
-from otbrl.app.studies.outcomes import analyse, collapse_step  # noqa: E402
+from otbrl.app.studies.compare import compare, comparisons_table, events, table  # noqa: E402
+from otbrl.app.studies.experiment import (  # noqa: E402
+    Experiment,
+    experiment_names,
+    load_experiment,
+    pilot_plan,
+    plan,
+)
+from otbrl.app.studies.outcomes import analyse, collapse_step, surge_steps  # noqa: E402
 from otbrl.app.studies.report import markdown_table  # noqa: E402
 from otbrl.app.studies.runs import (  # noqa: E402
     Run,
@@ -69,52 +75,104 @@ def test_markdown_table_compact_and_aligned() -> None:
 
 
 def test_collapse_step() -> None:
-    steps = list(range(8))
-    assert collapse_step(steps, [0.2, 0.5, 0.6, 0.2, 0.1, 0.1, 0.1, 0.1], 0.5) == 3
-    assert collapse_step(steps, [0.2, 0.5, 0.6, 0.2, 0.5, 0.6, 0.6, 0.6], 0.5) is None  # recovered
-    assert collapse_step(steps, [0.0] * 8, 0.5) is None  # never had anything to lose
-    assert collapse_step(steps, [0.2, 0.3, 0.4, 0.5, 0.6, 0.6, 0.7, 0.7], 0.5) is None
+    steps = list(range(1, 31))
+    # starts at 0.5 (mean of the first window of 2), falls to 0.1 at step 11 and stays: collapse at the
+    # first step whose trailing mean is below 0.25, if 5 such steps follow inside the run
+    falls = [0.5] * 10 + [0.1] * 20
+    assert collapse_step(steps, falls, window=2, fraction=0.5, hold=5) == 12
+    recovers = [0.5] * 10 + [0.1] * 4 + [0.5] * 16
+    assert collapse_step(steps, recovers, window=2, fraction=0.5, hold=5) is None
+    at_the_end = [0.5] * 27 + [0.0] * 3  # the run ends before the fall has lasted `hold` steps
+    assert collapse_step(steps, at_the_end, window=2, fraction=0.5, hold=5) is None
+    assert collapse_step(steps, [0.0] * 30, window=2, fraction=0.5, hold=5) is None  # nothing to lose
+    assert collapse_step(steps[:5], [0.5] * 5, window=2, fraction=0.5, hold=5) is None  # too short
+
+
+def test_surges_on_the_smoothed_norm_without_zero_gradient_steps() -> None:
+    steps = list(range(1, 61))
+    calm = [1.0, 1.2] * 30
+    assert surge_steps(steps, calm, factor=3.0) == []
+    spiky = list(calm)
+    spiky[30] = 40.0  # one step: the 5-step mean jumps to ~9x the median, and stays up 5 steps
+    assert surge_steps(steps, spiky, factor=3.0) == [31]  # one surge, not five
+    zeros = [0.0 if i % 2 else 1.0 for i in range(60)]  # every other step has no reward spread
+    assert surge_steps(steps, zeros, factor=3.0) == []  # a zero never drags the median down
+    assert surge_steps(steps, [math.nan] * 60, factor=3.0) == []
 
 
 def _fake_run(root: Path, arm: str, seed: int, rewards: list[float], tokens_per_step: float,
-              surges: tuple[int, ...] = ()) -> Run:  # fmt: skip
+              heldout: dict[int, float] | None = None, norms: list[float] | None = None,
+              prompts: list[str] | None = None) -> Run:  # fmt: skip
     d = root / arm / f"seed{seed}"
     d.mkdir(parents=True)
-    lines = [
-        {"step": i + 1, "generated_tokens": tokens_per_step * (i + 1), "reward": r, "grad_norm": 1.0,
-         "otb/grad_norm_surge": float(i + 1 in surges)}
-        for i, r in enumerate(rewards)
-    ]  # fmt: skip
+    lines = []
+    for i, r in enumerate(rewards):
+        tokens = tokens_per_step * (i + 1)
+        row = {"step": i + 1, "generated_tokens": tokens, "reward": r,
+               "grad_norm": norms[i] if norms else 1.0, "clipped": bool(norms and norms[i] > 1.0),
+               "prompts_sha": prompts[i] if prompts else f"p{i}", "horizon/length_cv": 0.5}  # fmt: skip
+        due = [b for b in (heldout or {}) if tokens - tokens_per_step < b <= tokens]
+        if due:
+            row.update(heldout_reward=heldout[due[0]], heldout_budgets=due)
+        lines.append(row)
     (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    (d / "summary.json").write_text(json.dumps({"held-out reward after": rewards[-1]}))
+    (d / "summary.json").write_text(json.dumps({"held-out reward after": rewards[-1],
+                                                "held-out reward before": None}))  # fmt: skip
     return Run(arm, seed, d, {})
 
 
 def test_analysis_on_known_runs(tmp_path) -> None:
-    exp = Experiment(name="t", recipe="demo", arms={"big": {}, "small": {}, "bad": {}}, seeds=[0, 1],
-                     reference="big", smooth=1)  # fmt: skip
-    runs = [
-        _fake_run(tmp_path, "big", 0, [0.2, 0.6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 800),
-        _fake_run(tmp_path, "big", 1, [0.2, 0.4, 0.6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 800),
-        _fake_run(tmp_path, "small", 0, [0.2, 0.4, 0.6, 0.8, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0], 100),
-        _fake_run(tmp_path, "small", 1, [0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 100),
-        _fake_run(tmp_path, "bad", 0, [0.2, 0.6, 0.8, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1], 100, (3, 4)),
-        _fake_run(tmp_path, "bad", 1, [0.2, 0.3, 0.4, 0.5, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6], 100),
-    ]
+    comparisons = [
+        {"name": "c", "kind": "better", "candidate": "otb", "baseline": "grpo", "budgets": [200, 400]},
+        {"name": "m", "kind": "matches", "margin": 0.05, "candidate": "otb", "baseline": "big",
+         "budgets": [400], "baseline_budgets": [1600]},
+    ]  # fmt: skip
+    exp = Experiment(name="t", recipe="demo", arms={"otb": {}, "grpo": {}, "big": {}}, seeds=[0, 1, 2],
+                     smooth=1, thresholds=[0.6], comparisons=comparisons)  # fmt: skip
+    rise = [0.2, 0.4, 0.6, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]
+    slow = [0.2, 0.3, 0.4, 0.5, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6]
+    runs = []
+    for seed, (gain, base) in enumerate([(0.10, 0.30), (0.12, 0.35), (0.14, 0.40)]):
+        runs.append(_fake_run(tmp_path, "otb", seed, rise, 100, {200: base + gain, 400: base + 2 * gain}))
+        runs.append(_fake_run(tmp_path, "grpo", seed, slow, 100, {200: base, 400: base}))
+        runs.append(_fake_run(tmp_path, "big", seed, rise, 400, {400: base, 1600: base + 2 * gain + 0.01}))
     res = analyse(exp, runs)
-    assert res["target"] == pytest.approx(0.9)  # 90% of big's final reward, 1.0
-    big, small, bad = (res["arms"][a] for a in ("big", "small", "bad"))
-    assert big["tokens_to_target"] == [2400, 3200]  # steps 3 and 4 at 800 tokens each
-    assert big["steps_to_target"] == [3, 4] and small["steps_to_target"] == [5, 5]
-    assert small["tokens_to_target"] == [500, 500]
-    assert small["token_saving"] == pytest.approx(1 - 500 / 2800)
-    assert bad["reached"] == 0 and bad["token_saving"] is None
-    assert bad["collapses"] == [4, None] and bad["surges"] == 2
-    assert bad["first_surge"] == [3, None]
+    otb, grpo = res["arms"]["otb"], res["arms"]["grpo"]
+    assert otb["heldout"][200] == pytest.approx([0.40, 0.47, 0.54])
+    assert otb["to_threshold"][0.6] == [300, 300, 300] and grpo["to_threshold"][0.6] == [500, 500, 500]
+    better, matches = res["comparisons"]
+    # held-out @200: differences 0.10, 0.12, 0.14 -> mean 0.12, sd 0.02, t(2) = 4.3027
+    ci = better["heldout"][0]["interval"]
+    half = 4.302652729911275 * 0.02 / math.sqrt(3)
+    assert (ci.mean, ci.lo, ci.hi, ci.n) == pytest.approx((0.12, 0.12 - half, 0.12 + half, 3))
+    assert better["heldout"][0]["verdict"] == "held"
+    assert better["tokens"][0]["interval"].mean == pytest.approx(200)  # 500 - 300 in every seed
+    assert better["tokens"][0]["verdict"] == "held"  # the same saving in every seed: a zero-width interval
+    assert better["verdict"] == "held"
+    assert matches["heldout"][0]["baseline_budget"] == 1600
+    assert matches["heldout"][0]["interval"].mean == pytest.approx(-0.01)
+    assert matches["verdict"] == "held"  # -0.01 exactly in every seed: the interval is above -0.05
+    assert res["prompt_problems"] == []
     text = table(exp, res)
-    assert "| small | 2 |" in text and "82%" in text and "1/2 (4)" in text
+    assert "| otb | 3 |" in text and "300.000 ± 0.000 (3/3)" in text
+    assert "held-out reward @0.4k vs 1.6k" in comparisons_table(res)
 
-    assert events(res).splitlines()[2:] == ["| bad | 0 | 3 | — | 4 |"]  # only the run with events
+
+def test_prompt_check_finds_arms_that_saw_different_prompts(tmp_path) -> None:
+    exp = Experiment(name="t", recipe="demo", arms={"a": {}, "b": {}}, seeds=[0], smooth=1)
+    runs = [_fake_run(tmp_path, "a", 0, [0.1] * 4, 10, prompts=["x", "y", "z", "w"]),
+            _fake_run(tmp_path, "b", 0, [0.1] * 4, 10, prompts=["x", "y", "q", "w"])]  # fmt: skip
+    assert analyse(exp, runs)["prompt_problems"] == ["seed 0: b and a differ at 1 steps (first 3)"]
+
+
+def test_a_collapse_and_a_surge_are_reported_by_run(tmp_path) -> None:
+    exp = Experiment(name="t", recipe="demo", arms={"bad": {}}, seeds=[0], smooth=2, collapse_steps=5)
+    norms = [1.0] * 12 + [50.0] + [1.0] * 17
+    run = _fake_run(tmp_path, "bad", 0, [0.5] * 14 + [0.0] * 16, 10, norms=norms)
+    res = analyse(exp, [run])
+    assert res["runs"]["bad"][0]["collapse"] == 16 and res["runs"]["bad"][0]["surges"] == [13]
+    assert res["arms"]["bad"]["clip_fraction"] == [pytest.approx(1 / 30)]
+    assert events(res).splitlines()[2:] == ["| bad | 0 | 13 | — | 16 |"]
 
 
 def test_experiment_errors(tmp_path) -> None:
@@ -144,19 +202,65 @@ def test_experiment_errors(tmp_path) -> None:
 @pytest.mark.parametrize("name", experiment_names())
 def test_packaged_roles_name_arms(name) -> None:
     exp = load_experiment(name)
-    assert exp.roles and exp.role("candidate") in exp.arms
+    bases = {a.rpartition("@")[0] if exp.ladder else a for a in exp.arms}  # a ladder's roles name bases
+    assert exp.roles and exp.role("candidate") in bases
     quick = load_experiment(name, quick=True)  # a quick run drops arms; the roles stay as written
     assert quick.roles == exp.roles
 
 
-def test_plan_keeps_the_prompt_budget(tmp_path) -> None:
-    runs = plan(load_experiment("efficiency"), tmp_path)
-    assert len(runs) == 6 * 3
+def test_plan_keeps_the_prompt_budget_and_each_arms_seeds(tmp_path) -> None:
+    exp = load_experiment("walk")
+    runs = plan(exp, tmp_path)
+    assert len(runs) == 3 * 5 + 3  # N=4 arms on 5 seeds, grpo-N32 on 3
+    assert sorted(r.seed for r in runs if r.arm == "grpo-N32") == [0, 1, 2]
     for run in runs:
         n = run.overrides["num_generations"]
         assert run.overrides["per_device_train_batch_size"] == 4 * n
-        assert run.overrides["max_steps"] == (60 if n == 32 else 150)
+        assert run.overrides["max_generated_tokens"] == (900_000 if n == 32 else 300_000)
+        assert "seeds" not in run.overrides and run.overrides["eval_size"] >= 512
         assert run.overrides["output_dir"] == str(tmp_path / run.arm / f"seed{run.seed}")
+
+
+def test_pilot_runs_every_arm_at_each_rate_on_its_own_seed(tmp_path) -> None:
+    exp = load_experiment("walk")
+    runs = pilot_plan(exp, tmp_path)
+    rates = exp.pilot["learning_rates"]
+    assert len(runs) == len(exp.arms) * len(rates)
+    assert {r.seed for r in runs} == {exp.pilot["seed"]} and exp.pilot["seed"] not in exp.seeds
+    assert {(r.arm, r.overrides["learning_rate"]) for r in runs} == {
+        (f"{a}@{lr:g}", lr) for a in exp.arms for lr in rates
+    }
+
+
+def test_a_ladder_puts_every_arm_on_every_rung(tmp_path) -> None:
+    path = tmp_path / "l.yaml"
+    path.write_text("recipe: demo\nseeds: [0, 1]\nladder: [1.0e-4, 1.0e-3]\nroles: {candidate: a}\n"
+                    "arms: {a: {}, b: {seeds: [0], ladder: [1.0e-3]}}\n")  # fmt: skip
+    exp = load_experiment(str(path))
+    assert {r.arm: r.overrides["learning_rate"] for r in plan(exp, tmp_path)} == {
+        "a@0.0001": 1e-4, "a@0.001": 1e-3, "b@0.001": 1e-3}  # fmt: skip
+    assert exp.arm_seeds("b@0.001") == [0]
+    path.write_text("recipe: demo\nseeds: [0]\nladder: [1.0e-4]\narms: {a: {learning_rate: 1}}\n")
+    with pytest.raises(ValueError, match="the ladder sets it"):
+        load_experiment(str(path))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("arms: {a: {seeds: [7]}}", r"seeds \[7\] are not all among"),
+        ("arms: {a: {}}\ncomparisons: [{name: c, candidate: a, baseline: z}]", "'z' is not an arm"),
+        ("arms: {a: {}}\ncomparisons: [{candidate: a, baseline: a}]", "needs 'name'"),
+        ("arms: {a: {}}\npilot: {seed: 0, learning_rates: [1.0e-4]}", "pilot seed 0 is also a reported"),
+        ("arms: {a: {}}\npilot: {seed: 9}", "pilot needs a seed and learning_rates"),
+        ("arms: {a: {}}\nconfidence: 95", "confidence must be in"),
+    ],
+)
+def test_protocol_errors(tmp_path, extra, message) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"recipe: demo\nseeds: [0]\n{extra}\n")
+    with pytest.raises(ValueError, match=message):
+        load_experiment(str(path))
 
 
 @pytest.mark.parametrize("name", experiment_names())
@@ -174,6 +278,7 @@ def test_quick_mode_end_to_end(tmp_path, name) -> None:
     for stats in numbers["arms"].values():
         assert all(math.isfinite(x) for x in stats["final"] + stats["held_out"])
         assert all(t > 0 for t in stats["total_tokens"])
+    assert numbers["prompt_problems"] == []  # every arm of the seed saw the same prompts
     if name == experiment_names()[0]:  # resuming: finished runs are kept, not redone
         compare(
             name, quick=True, jobs=2, runs_dir=tmp_path / "runs", results=tmp_path / "out", log=lines.append
@@ -181,22 +286,9 @@ def test_quick_mode_end_to_end(tmp_path, name) -> None:
         assert any("already done" in line for line in lines)
 
 
-def test_no_target_when_the_reference_does_not_improve(tmp_path) -> None:
-    exp = Experiment(
-        name="t", recipe="demo", arms={"big": {}, "small": {}}, seeds=[0], reference="big", smooth=1
-    )
-    runs = [
-        _fake_run(tmp_path, "big", 0, [0.5, 0.4, 0.5, 0.4, 0.5, 0.4, 0.5, 0.4, 0.5, 0.45], 800),
-        _fake_run(tmp_path, "small", 0, [0.1] * 10, 100),
-    ]
-    res = analyse(exp, runs)  # 90% of big's final (0.405) is below where it started (0.5): no target
-    assert res["target"] is None and "did not improve" in res["note"]
-    assert res["arms"]["small"]["tokens_to_target"] == []
-
-
 @pytest.mark.parametrize("name", experiment_names())
 def test_quick_settings_win_over_each_arms_own(tmp_path, name) -> None:
-    """--quick is a smoke run: an arm's own max_steps (150 for efficiency's N=4 arms) must not undo it."""
+    """--quick is a smoke run: an arm's own budget (grpo-N32's 900k tokens in walk) must not undo it."""
     quick = load_experiment(name, quick=True)
     forced = quick.forced
     assert forced, f"{name}: its quick section changes nothing"

@@ -55,9 +55,10 @@ def collapse_difference(arms: dict[str, Any], candidate: str, baseline: str, con
 
 def stability_verdict(arms: dict[str, Any], candidate: str, baselines: list[str], confidence: float
                       ) -> tuple[str, list[tuple[str, Interval]]]:  # fmt: skip
-    """`better` on collapses against each baseline; not tested when no baseline run collapsed."""
+    """`better` on collapses against each baseline; not tested when no run collapsed at all."""
     table = cells(arms)
-    collapsed = sum(sum(seeds.values()) for b in baselines for seeds in table.get(b, {}).values())
+    arms_here = (candidate, *baselines)
+    collapsed = sum(sum(seeds.values()) for b in arms_here for seeds in table.get(b, {}).values())
     intervals = [(b, collapse_difference(arms, candidate, b, confidence)) for b in baselines]
     if collapsed == 0:
         return NOT_TESTED, intervals

@@ -86,8 +86,8 @@ def stability_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
         f"{horizon(res, exp.recipe)}; learning-rate ladder, N=4, {len(exp.seeds)} seeds per rung: "
         + "; ".join(parts) + ".",
         f"**{result}** (rule: collapse indicators paired by (rung, seed), baseline minus OTB; "
-        f"{rule('better', 0.0, exp.confidence)} — against each group-mean arm; not tested if no "
-        "group-mean run collapsed)",
+        f"{rule('better', 0.0, exp.confidence)} — against each group-mean arm; not tested if no run "
+        "collapsed)",
         f"`otbrl compare {experiment}`",
     )
 
