@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import otbrl
-from otbrl.stability import SurgeDetector, batch_diagnostics, update_energy
+from otbrl.stability import SurgeDetector, batch_diagnostics, group_horizons, update_energy
 
 
 def test_update_energy_is_the_logit_space_squared_norm():
@@ -78,6 +78,48 @@ def test_surge_detector_adapts_to_a_lasting_new_level():
         det.update(x)
     flags = [det.update(10.0 * y) for y in noisy_norms(20, 2)]
     assert flags[0] and not flags[-1]
+
+
+def test_surge_detector_ignores_zero_gradient_steps():
+    """A zero norm (no reward spread in any group) must not drag the median to 0: before, the next
+    ordinary step after a run of zeros was flagged as a surge."""
+    det = SurgeDetector(factor=3.0, window=10, warmup=2)
+    norms = noisy_norms(10, 5)
+    for x in norms:
+        det.update(x)
+    assert [det.update(0.0) for _ in range(10)] == [False] * 10
+    assert not det.update(1.0) and det.surges == []
+    assert list(det.history)[-1] == 1.0 and 0.0 not in det.history
+
+
+def test_group_horizons_against_a_loop():
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 3, 3, 0, 7, 2, 4]  # row 4 has no policy token: not a member of its group
+    mask = torch.zeros(8, 8)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    energy = torch.rand(8, 8, generator=g, dtype=torch.float64)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    got = group_horizons(mask, energy, rewards, groups)
+
+    def cv(xs):
+        mean = sum(xs) / len(xs)
+        return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs)) / mean
+
+    want_len, want_energy, spread = [], [], []
+    for gid in range(4):
+        rows = [i for i in range(8) if groups[i] == gid and lengths[i] > 0]
+        if len(rows) < 2:
+            continue  # group 2 has one member left
+        want_len.append(cv([lengths[i] for i in rows]))
+        want_energy.append(cv([float(energy[i, : lengths[i]].sum()) for i in rows]))
+        spread.append(float(len({float(rewards[i]) for i in rows}) > 1))
+    assert got["horizon/length_cv"] == pytest.approx(sum(want_len) / 3, rel=1e-12)
+    assert got["horizon/energy_cv"] == pytest.approx(sum(want_energy) / 3, rel=1e-12)
+    assert got["horizon/reward_spread"] == pytest.approx(sum(spread) / 3) == pytest.approx(1 / 3)
+    lone = group_horizons(mask[:1], energy[:1], rewards[:1], groups[:1])
+    assert lone == {"horizon/length_cv": 0.0, "horizon/energy_cv": 0.0, "horizon/reward_spread": 0.0}
 
 
 def test_surge_detector_state_roundtrip():

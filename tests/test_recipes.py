@@ -54,6 +54,9 @@ def test_values_are_read_as_the_field_types():
     assert coerce("estimator_options", '{leave_one_out: true}') == {"leave_one_out": True}
     assert coerce("report_to", ["tensorboard"]) == ["tensorboard"] and coerce("task", "null") is None
     assert coerce("output_dir", 2024) == "2024"  # a string field keeps what YAML wrote, as text
+    # fields that default to True also have a --no_<field> flag: the value is still read as a boolean
+    assert coerce("plot", "false") is False and coerce("eval_before", "false") is False
+    assert coerce("eval_at_tokens", "[1000, 2000]") == [1000, 2000]
     for key, value, match in [
         ("max_steps", "ten", "max_steps: expected an integer, got 'ten'"),
         ("max_steps", 2.5, "max_steps: expected an integer, got 2.5"),
@@ -64,6 +67,7 @@ def test_values_are_read_as_the_field_types():
         ("max_steps", [1, 2], "max_steps: expected a single value"),
         ("learning_rate", {"a": 1}, "learning_rate: expected a single value"),
         ("eval_size", None, "eval_size: needs a value"),
+        ("plot", "maybe", "plot: expected true or false"),
     ]:
         with pytest.raises(ValueError, match=match):
             coerce(key, value)
