@@ -125,3 +125,31 @@ def test_a_missing_role_is_a_clear_error(tmp_path) -> None:
         stability_row({"arms": {}}, str(path))
     with pytest.raises(ValueError, match="no arm has the role 'lr_decay'"):
         lr_decay_row({"arms": {}}, str(path))
+
+
+def test_the_readme_evidence_section_is_claims_md(tmp_path) -> None:
+    from otbrl.app.studies.claims import BEGIN, END, readme_block, sync_readme
+
+    (tmp_path / "walk.json").write_text(json.dumps(_walk_result()))
+    page = write_claims(tmp_path)
+    readme = tmp_path.parent / "README.md"
+    readme.write_text(f"# x\n\n## Evidence\n\n{BEGIN}\nold text\n{END}\n\n## Next\n")
+    sync_readme(readme, page)
+    text = readme.read_text()
+    assert "old text" not in text and text.endswith(f"{END}\n\n## Next\n")
+    assert f"[walk.md]({tmp_path.name}/walk.md)" in text and "| claim OTB vs GRPO, N=4 |" in text
+    assert text.split(BEGIN)[1].split(END)[0].strip() == readme_block(page, readme)
+    readme.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="no evidence section markers"):
+        sync_readme(readme, page)
+
+
+def test_the_shipped_readme_states_what_claims_md_states() -> None:
+    from pathlib import Path
+
+    from otbrl.app.studies.claims import BEGIN, END, readme_block
+
+    root = Path(__file__).resolve().parents[1]
+    readme, page = root / "README.md", root / "docs" / "results" / "claims.md"
+    section = readme.read_text().split(BEGIN)[1].split(END)[0].strip()
+    assert section == readme_block(page, readme), "run `otbrl claims --readme README.md`"

@@ -71,11 +71,11 @@ def test_installed_commands_work_from_an_unrelated_directory(installed, tmp_path
     empty = otbrl(site, tmp_path, "claims")
     assert empty.returncode == 2 and "Traceback" not in empty.stderr
     assert empty.stderr.strip().startswith("otbrl: nothing to summarise: no study results")
-    # The quick efficiency comparison: the packaged experiment, recipe and warm-start checkpoint.
-    quick = otbrl(site, tmp_path, "compare", "efficiency", "--quick", "--jobs", "2")
+    # The quick walk comparison: the packaged experiment, recipe and warm-start checkpoint.
+    quick = otbrl(site, tmp_path, "compare", "walk", "--quick", "--jobs", "2")
     assert quick.returncode == 0, (quick.stdout[-2000:], quick.stderr[-2000:])
     results = tmp_path / "runs" / "compare-quick" / "results"
-    assert (results / "efficiency.md").is_file() and (results / "efficiency.json").is_file()
+    assert (results / "walk.md").is_file() and (results / "walk.json").is_file()
     claims = otbrl(site, tmp_path, "claims", "--results", str(results))
     assert claims.returncode == 0, claims.stderr[-2000:]
     assert (results / "claims.md").is_file() and "Not run yet" in (results / "claims.md").read_text()

@@ -4,7 +4,7 @@ otbrl train --config recipes/NAME.yaml [--resume] [--key value ...]   train with
 otbrl demo [--key value ...]                                          the embedded default run
 otbrl recipes                                                         list the packaged recipes
 otbrl compare EXPERIMENT [--quick|--pilot] [--jobs 2]                 runs over estimators x seeds
-otbrl claims [--results docs/results]                                 the claims table from the studies
+otbrl claims [--results docs/results] [--readme README.md]            the claims table from the studies
 otbrl variance [--quick] [--out DIR] [...]                            estimators' gradient variance
 
 A bad recipe, value or input ends in one line starting `otbrl:` and exit code 2, before any model is
@@ -20,8 +20,6 @@ from pathlib import Path
 from otbrl.app.recipe import load_recipe, parse_value, recipe_names
 from otbrl.app.studies.compare import compare, experiment_names, pilot
 from otbrl.app.train import run, summary_table, written
-
-STUDIES = ("variance", "efficiency", "efficiency48", "stress", "tir")  # the JSON results claims reads
 
 
 class CliError(SystemExit):
@@ -107,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     claims.add_argument(
         "--results", type=Path, default=Path("docs/results"), help="where the studies wrote their JSON"
     )
+    claims.add_argument(
+        "--readme", type=Path, help="also copy claims.md into this README's evidence section (its markers)"
+    )
     from otbrl.app.studies import variance
 
     variance.add_arguments(
@@ -114,15 +115,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     args, rest = parser.parse_known_args(argv)
     if args.command == "claims":
-        from otbrl.app.studies.claims import write_claims
+        from otbrl.app.studies.claims import STUDIES, sync_readme, write_claims
 
         if not any((args.results / f"{name}.json").is_file() for name in STUDIES):
             raise fail(
                 f"nothing to summarise: no study results ({', '.join(n + '.json' for n in STUDIES)}) in "
                 f"{args.results}; run `otbrl variance` or `otbrl compare EXPERIMENT` first, or pass "
-                "--results DIR (after `otbrl compare efficiency --quick`: runs/compare-quick/results)"
+                "--results DIR (after `otbrl compare walk --quick`: runs/compare-quick/results)"
             )
-        print(f"wrote {write_claims(args.results)}")
+        page = write_claims(args.results)
+        print(f"wrote {page}")
+        if args.readme is not None:
+            try:
+                sync_readme(args.readme, page)
+            except ValueError as err:
+                raise fail(str(err)) from None
+            print(f"updated the evidence section of {args.readme}")
         return
     if args.command == "recipes":
         print("\n".join(recipe_names()))

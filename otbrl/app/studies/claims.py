@@ -7,6 +7,8 @@ run says so instead of guessing.
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -140,3 +142,23 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
     out = results / "claims.md"
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+BEGIN, END = "<!-- claims.md begins: written by `otbrl claims --readme` -->", "<!-- claims.md ends -->"
+
+
+def readme_block(claims_md: Path, readme: Path) -> str:
+    """claims.md without its title, links made relative to the README's folder."""
+    body = claims_md.read_text().split("\n", 1)[1].strip()
+    prefix = os.path.relpath(claims_md.parent, readme.parent).replace(os.sep, "/")
+    return re.sub(r"\]\(([\w.-]+\.(?:md|png))\)", lambda m: f"]({prefix}/{m.group(1)})", body)
+
+
+def sync_readme(readme: Path, claims_md: Path) -> None:
+    """Put claims.md into the README between the BEGIN and END markers, so both say the same."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme}: no evidence section markers ({BEGIN} ... {END})")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{BEGIN}\n{readme_block(claims_md, readme)}\n{END}{tail}")
