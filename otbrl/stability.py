@@ -74,14 +74,15 @@ def group_horizons(mask: torch.Tensor, energy: torch.Tensor, rewards: torch.Tens
     groups with >= 2 rows count. Returns horizon/length_cv and horizon/energy_cv (within-group std / mean
     of the response length and of the realized energy W_T, population std, averaged over groups) and
     horizon/reward_spread (the share of groups whose rewards are not all equal: the others carry no
-    signal). Zeros when no group has two rows.
+    signal), and horizon/energy_reward_corr (Pearson correlation of W_T and reward inside a group,
+    averaged over the groups where both vary). Zeros when no group has two rows.
     """
     keep = mask.bool()
     rows = keep.any(dim=-1)
     lengths = keep.sum(dim=-1).double()[rows]
     totals = (energy.double() * keep).sum(dim=-1)[rows]
     r, g = rewards.double()[rows], group_ids[rows]
-    length_cv, energy_cv, spread = [], [], []
+    length_cv, energy_cv, spread, corr = [], [], [], []
     for gid in torch.unique(g):
         members = g == gid
         if members.sum() < 2:
@@ -90,9 +91,12 @@ def group_horizons(mask: torch.Tensor, energy: torch.Tensor, rewards: torch.Tens
             mean = values.mean()
             out.append((values.std(unbiased=False) / mean).item() if mean > 0 else 0.0)
         spread.append(float(r[members].max() > r[members].min()))
+        e, y = totals[members] - totals[members].mean(), r[members] - r[members].mean()
+        if e.norm() > 0 and y.norm() > 0:
+            corr.append((e @ y / (e.norm() * y.norm())).item())
     avg = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     return {"horizon/length_cv": avg(length_cv), "horizon/energy_cv": avg(energy_cv),
-            "horizon/reward_spread": avg(spread)}  # fmt: skip
+            "horizon/reward_spread": avg(spread), "horizon/energy_reward_corr": avg(corr)}  # fmt: skip
 
 
 class SurgeDetector:

@@ -118,8 +118,11 @@ def test_group_horizons_against_a_loop():
     assert got["horizon/length_cv"] == pytest.approx(sum(want_len) / 3, rel=1e-12)
     assert got["horizon/energy_cv"] == pytest.approx(sum(want_energy) / 3, rel=1e-12)
     assert got["horizon/reward_spread"] == pytest.approx(sum(spread) / 3) == pytest.approx(1 / 3)
+    # only group 0 has a reward spread: its correlation of W_T and reward is +-1 with two members
+    e0, e1 = (float(energy[i, : lengths[i]].sum()) for i in (0, 1))
+    assert got["horizon/energy_reward_corr"] == pytest.approx(1.0 if e0 > e1 else -1.0)
     lone = group_horizons(mask[:1], energy[:1], rewards[:1], groups[:1])
-    assert lone == {"horizon/length_cv": 0.0, "horizon/energy_cv": 0.0, "horizon/reward_spread": 0.0}
+    assert set(lone.values()) == {0.0}
 
 
 def test_surge_detector_state_roundtrip():

@@ -37,11 +37,13 @@ def _collapsed(s: dict[str, Any]) -> str:
 
 def table(exp: Experiment, result: dict[str, Any]) -> str:
     """One row per arm: held-out reward at each budget, tokens to each threshold, final train reward,
-    clipped fraction, surges, collapses (mean ± sd over seeds)."""
+    tokens, steps and train seconds (the energy pass included), clipped fraction, surges, collapses
+    (mean ± sd over seeds)."""
     budgets = sorted({b for s in result["arms"].values() for b in s["heldout"]})
     head = ["arm", "seeds", *(f"held-out @{_k(b)}" if b else "held-out before" for b in budgets),
             *(f"tokens to {th:g} (reached)" for th in exp.thresholds),
-            "final train reward", "tokens", "clipped", "surges", "collapsed (step)"]  # fmt: skip
+            "final train reward", "tokens", "steps", "train s", "clipped", "surges",
+            "collapsed (step)"]  # fmt: skip
     rows = []
     for arm, s in result["arms"].items():
         reach = [
@@ -50,7 +52,8 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
         ]
         rows.append([
             arm, s["seeds"], *(mean_sd(s["heldout"].get(b, [])) for b in budgets), *reach,
-            mean_sd(s["final"]), mean_sd(s["total_tokens"]), mean_sd(s["clip_fraction"]), s["surges"],
+            mean_sd(s["final"]), mean_sd(s["total_tokens"]), mean_sd(s["steps_run"]).replace(".000", ""),
+            mean_sd(s["train_seconds"]).replace(".000", ""), mean_sd(s["clip_fraction"]), s["surges"],
             _collapsed(s),
         ])  # fmt: skip
     return markdown_table(head, rows, aligned=False)

@@ -96,7 +96,7 @@ def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0, batch: int = 1) -
             heldout[int(b)], heldout_tokens[int(b)] = r["heldout_reward"], r["generated_tokens"]
     k = max(1, len(reward) // 10)
     horizon = {key: [r[f"horizon/{key}"] for r in rewarded if f"horizon/{key}" in r]
-               for key in ("length_cv", "energy_cv", "reward_spread")}  # fmt: skip
+               for key in ("length_cv", "energy_cv", "reward_spread", "energy_reward_corr")}  # fmt: skip
     return {
         "seed": seed,
         # the task's horizon as the runs met it: within-group spreads over the first 10 steps
@@ -138,7 +138,9 @@ def _arm_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
         "surges": sum(len(r["surges"]) for r in results),
         "clip_fraction": [r["clip_fraction"] for r in results],
         **{key: [r[key] for r in results] for key in ("length_cv_start", "energy_cv_start",
-                                                      "reward_spread_start")},  # fmt: skip
+                                                      "reward_spread_start", "energy_reward_corr_start")},
+        "steps_run": [r["steps"][-1] if r["steps"] else 0 for r in results],
+        "train_seconds": [r["train_seconds"] for r in results],
         "collapses": [r["collapse"] for r in results],
         "decays": [r["decays"] for r in results],
         "first_surge": [r["surges"][0] if r["surges"] else None for r in results],

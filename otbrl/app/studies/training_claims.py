@@ -29,7 +29,8 @@ def horizon(res: dict[str, Any], task: str) -> str:
     """'walk: within-group length CV 0.53, energy CV 1.1, reward spread in 92% of groups' from the runs'
     first steps (every arm of every seed)."""
     parts = []
-    for key, label in (("length_cv_start", "within-group length CV"), ("energy_cv_start", "energy CV")):
+    for key, label in (("length_cv_start", "within-group length CV"), ("energy_cv_start", "energy CV"),
+                       ("energy_reward_corr_start", "energy–reward correlation")):  # fmt: skip
         values = [v for a in res["arms"].values() for v in a.get(key, []) if v is not None and v == v]
         if values:
             parts.append(f"{label} {statistics.fmean(values):.2f}")
