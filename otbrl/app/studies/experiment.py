@@ -7,7 +7,7 @@ An experiment is a YAML file (packaged ones live in `otbrl/app/experiments/`):
     common: {max_steps: 100}       # overrides for every arm
     prompts_per_step: 8            # same prompt budget per step: batch = prompts_per_step x num_generations
     seeds: [0, 1, 2]
-    reference: grpo-N32            # arm whose final reward sets the target (the claims' `reference` role)
+    reference: grpo-N32            # the arm the others are measured against (the `reference` role)
     roles: {candidate: otb-N4, same_n_baseline: dr_grpo-N4}   # arms otbrl claims reads, by role
     arms:
       grpo-N4: {advantage_estimator: grpo, num_generations: 4}
@@ -53,7 +53,6 @@ class Experiment:
     # --quick's overrides: they win over every arm's own (an arm's max_steps must not undo a smoke run)
     forced: dict[str, Any] = field(default_factory=dict)
     prompts_per_step: int | None = None
-    target_fraction: float = 0.9
     collapse_fraction: float = 0.5
     smooth: int = 9  # steps in the centred moving average of the train reward ...
     smooth_samples: int | None = None  # ... or as many steps as hold this many samples (per arm)
