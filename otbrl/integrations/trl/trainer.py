@@ -237,6 +237,8 @@ class OTBGRPOTrainer(GRPOTrainer):
         metrics = self._metrics[mode]
         diag = batch_diagnostics(res.advantages, all_energy, all_mask)
         diag |= group_horizons(all_mask, all_energy, rewards, group_ids)
+        if spec.needs_energy:  # 1: the energy took a forward pass of its own (a cost the others lack)
+            diag["energy_own_pass"] = float(self.energy_source == "forward")
         for key, value in diag.items():
             # no energy was computed: its statistics would read 0
             if spec.needs_energy or (key.startswith(("adv/", "horizon/")) and "energy" not in key):
