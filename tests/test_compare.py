@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("otbrl.integrations.trl")
 
-from otbrl.app.studies.compare import compare, comparisons_table, events, table  # noqa: E402
+from otbrl.app.studies.compare import compare, comparisons_table, events, pilot_page, table  # noqa: E402
 from otbrl.app.studies.experiment import (  # noqa: E402
     Experiment,
     experiment_names,
@@ -224,12 +224,30 @@ def test_plan_keeps_the_prompt_budget_and_each_arms_seeds(tmp_path) -> None:
 def test_pilot_runs_every_arm_at_each_rate_on_its_own_seed(tmp_path) -> None:
     exp = load_experiment("walk")
     runs = pilot_plan(exp, tmp_path)
-    rates = exp.pilot["learning_rates"]
-    assert len(runs) == len(exp.arms) * len(rates)
+    want = {(f"{a}@{lr:g}", lr) for a, o in exp.arms.items()
+            for lr in o.get("pilot_learning_rates", exp.pilot["learning_rates"])}  # fmt: skip
+    assert {(r.arm, r.overrides["learning_rate"]) for r in runs} == want and len(runs) == len(want)
     assert {r.seed for r in runs} == {exp.pilot["seed"]} and exp.pilot["seed"] not in exp.seeds
-    assert {(r.arm, r.overrides["learning_rate"]) for r in runs} == {
-        (f"{a}@{lr:g}", lr) for a in exp.arms for lr in rates
-    }
+    factor = exp.pilot["token_factor"]
+    for r in runs:  # the pilot's budget is its arm's, scaled; the arm-only keys never reach a recipe
+        arm = r.arm.rpartition("@")[0]
+        budget = {**exp.common, **exp.arms[arm]}["max_generated_tokens"]
+        assert r.overrides["max_generated_tokens"] == round(budget * factor)
+        assert not {"seeds", "pilot_learning_rates", "token_factor"} & set(r.overrides)
+
+
+def test_pilot_page_picks_the_best_rate_per_arm(tmp_path) -> None:
+    exp = Experiment(name="t", recipe="demo", arms={"a": {}, "b": {}}, seeds=[0], smooth=1,
+                     pilot={"seed": 9, "learning_rates": [1e-4, 3e-4]})  # fmt: skip
+    runs = []
+    for arm, lr, rewards in [("a", 1e-4, [0.3] * 8), ("a", 3e-4, [0.5] * 4 + [0.0] * 4),
+                             ("b", 1e-4, [0.2] * 8), ("b", 3e-4, [0.4] * 8)]:  # fmt: skip
+        run = _fake_run(tmp_path, f"{arm}@{lr:g}", 9, rewards, 10)
+        run.overrides["learning_rate"] = lr
+        runs.append(run)
+    page, picks = pilot_page(exp, runs, tmp_path / "out", "cmd", log=lambda _: None)
+    assert picks == {"a": 1e-4, "b": 3e-4}  # a collapsed at 3e-4: the last quarter decides
+    assert "| a | 0.300 | 0.000 | 0.0001 |" in page.read_text()
 
 
 def test_a_ladder_puts_every_arm_on_every_rung(tmp_path) -> None:

@@ -219,18 +219,25 @@ def pilot(spec: str, *, jobs: int = 2, runs_dir: Path | None = None, results: Pa
     failures = execute(f"{exp.name} pilot", exp.recipe, runs, jobs=jobs, log=log)
     if failures:
         raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
+    return pilot_page(exp, runs, results or RESULTS, f"otbrl compare {spec} --pilot --jobs {jobs}", log)
+
+
+def pilot_page(exp: Experiment, runs: list[Any], results: Path, command: str, log: Any = print
+               ) -> tuple[Path, dict[str, float]]:  # fmt: skip
+    """The pilot's picks from its finished runs, and its page `<results>/<name>-pilot.md`."""
     rows, picks = [], {}
+    lrs = sorted({r.overrides["learning_rate"] for r in runs})
     for arm in exp.arms:
         mine = [r for r in runs if r.arm.startswith(arm + "@")]
         scores = {r.overrides["learning_rate"]: pilot_score(r.dir) for r in mine}
         picks[arm] = max(scores, key=scores.__getitem__)
-        rows.append([arm, *(f"{scores[lr]:.3f}" for lr in scores), f"{picks[arm]:g}"])
-    lrs = [f"{float(lr):g}" for lr in exp.pilot["learning_rates"]]
-    results = results or RESULTS
+        cells = [f"{scores[lr]:.3f}" if lr in scores else "not run" for lr in lrs]
+        rows.append([arm, *cells, f"{picks[arm]:g}"])
+    lrs = [f"{lr:g}" for lr in lrs]
     results.mkdir(parents=True, exist_ok=True)
     page = results / f"{exp.name}-pilot.md"
     page.write_text(
-        f"# Pilot of experiment `{exp.name}`\n\nRegenerate: `otbrl compare {spec} --pilot --jobs {jobs}`.\n\n"
+        f"# Pilot of experiment `{exp.name}`\n\nRegenerate: `{command}`.\n\n"
         f"Seed {exp.pilot['seed']} (not a reported seed). Rule: each arm takes the learning rate with the "
         "highest mean train reward over the last quarter of its steps; the picks are written into the "
         "experiment's YAML before its reported runs. These numbers are not evidence for any claim.\n\n"

@@ -18,7 +18,9 @@ The fair protocol's keys, fixed before the runs:
 
     arms: {grpo-N32: {..., seeds: [0, 1, 2]}}     # an arm's own seeds (a subset of `seeds`)
     pilot: {seed: 100, learning_rates: [1.0e-4, 3.0e-4]}   # `otbrl compare NAME --pilot` picks each
-                                                   # arm's learning rate on this seed (never reported)
+                                                   # arm's learning rate on this seed (never reported);
+                                                   # an arm's `pilot_learning_rates` replace the list;
+                                                   # `token_factor` scales each arm's token budget
     ladder: [3.0e-4, 1.0e-3]                       # every arm at every learning rate (arm@lr); an
                                                    # arm's own `ladder: [...]` climbs part of it
     thresholds: [0.45, 0.55]                       # absolute train rewards for tokens-to-threshold
@@ -38,6 +40,8 @@ import yaml
 from otbrl.app.studies.runs import Run
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+# An arm's keys that are the experiment's, not recipe overrides: its own seeds, ladder rungs and pilot rates
+ARM_KEYS = ("seeds", "ladder", "pilot_learning_rates")
 
 
 @dataclass
@@ -203,9 +207,12 @@ def pilot_plan(exp: Experiment, out: Path) -> list[Run]:
     if not exp.pilot:
         raise ValueError(f"experiment {exp.name}: no `pilot:` section")
     runs = []
-    extra = {k: v for k, v in exp.pilot.items() if k not in ("seed", "learning_rates")}
+    extra = {k: v for k, v in exp.pilot.items() if k not in ("seed", "learning_rates", "token_factor")}
     for arm in exp.arms:
-        for lr in exp.pilot["learning_rates"]:
+        budget = {**exp.common, **(exp.arms[arm] or {})}.get("max_generated_tokens")
+        if budget and "token_factor" in exp.pilot:  # the pilot's budget, as a multiple of the arm's
+            extra = {**extra, "max_generated_tokens": round(budget * exp.pilot["token_factor"])}
+        for lr in (exp.arms[arm] or {}).get("pilot_learning_rates", exp.pilot["learning_rates"]):
             name = f"{arm}@{float(lr):g}"
             runs.append(_run(exp, out, arm, exp.pilot["seed"], {"learning_rate": float(lr), **extra}, name))
     return runs
@@ -216,7 +223,7 @@ def _run(exp: Experiment, out: Path, arm: str, seed: int, extra: dict[str, Any] 
     from otbrl.app.recipe import load_recipe
 
     name = name or arm
-    arm_overrides = {k: v for k, v in (exp.arms[arm] or {}).items() if k != "seeds"}
+    arm_overrides = {k: v for k, v in (exp.arms[arm] or {}).items() if k not in ARM_KEYS}
     overrides = {**exp.common, **arm_overrides, **(extra or {}), **exp.forced}
     if exp.prompts_per_step and "per_device_train_batch_size" not in overrides:
         n = overrides.get("num_generations") or load_recipe(exp.recipe)["num_generations"]
