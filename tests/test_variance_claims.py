@@ -35,7 +35,7 @@ def test_variance_claim_verdicts() -> None:
     assert _verdict(variance_claim(_study(name, [(0.4, 0.6), (nan, nan)]))) == "inconclusive"
     assert _verdict(variance_claim(_study("otb / otb_exact", [(0.4, 0.6), (0.4, 0.6)]))) == "not tested"
     row = variance_claim(_study(name, [(0.4, 0.6), (0.7, 0.95)]))
-    assert "walk (within-group length CV 0.50)" in row[1] and "K=24" in row[1]
+    assert "walk (within-group length CV 0.50 in the study's samples)" in row[1] and "K=24" in row[1]
     assert "N=4: 0.49 [0.40, 0.60]" in row[1] and "--name variance-walk" in row[3]
     assert "below 1 at every N" in row[2]  # the rule is stated with the verdict
     assert "running_sum16" in variance_claim(_study(name, [(0.4, 0.6)] * 2), "running_sum16")[1]

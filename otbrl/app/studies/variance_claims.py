@@ -47,7 +47,9 @@ def task_label(res: dict[str, Any]) -> str:
     """The task, with its within-group length CV as measured in the study's own samples."""
     task = res.get("config", {}).get("task", "?")
     cvs = [b["length_cv"] for b in res.get("per_n", {}).values() if "length_cv" in b]
-    return f"{task} (within-group length CV {sum(cvs) / len(cvs):.2f})" if cvs else task
+    if not cvs:
+        return task
+    return f"{task} (within-group length CV {sum(cvs) / len(cvs):.2f} in the study's samples)"
 
 
 def _command(res: dict[str, Any]) -> str:
