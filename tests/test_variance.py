@@ -4,8 +4,10 @@ formulas, and `otbrl variance --quick` end to end."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from otbrl.app.cli import main
 from otbrl.app.studies import gradients as gr
 from otbrl.app.studies import gradstats as gs
 from otbrl.app.studies import variance as v
-from otbrl.app.studies.variance_report import matching_group_size
+from otbrl.app.studies.variance_report import command, matching_group_size
 from otbrl.rollout import Samples
 
 
@@ -95,6 +97,66 @@ def test_gram_statistics_match_direct_formulas():
     assert ratio == pytest.approx(4.0) and ratio_se == pytest.approx(0.0, abs=1e-9)
 
 
+def _two_estimators(
+    gen: torch.Generator, k: int, rho: float, tau2: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K paired gradients of two estimators with the same mean: g_b = mu + z, g_a = mu + rho z + tau e, with
+    z and e ~ N(0, diag(lam)), a decaying spectrum (real gradients' noise has a low effective rank), and
+    tr Cov_b / ||mu||^2 = 5. True NSR(a) / NSR(b) = rho^2 + tau^2 (the means are equal)."""
+    d = 64
+    lam = 1.0 / torch.arange(1, d + 1, dtype=torch.float64) ** 1.5
+    lam = lam / lam.sum() * 5.0
+    mu = torch.zeros(d, dtype=torch.float64)
+    mu[0] = 1.0
+    z, e = (torch.randn(k, d, generator=gen, dtype=torch.float64) * lam.sqrt() for _ in range(2))
+    return mu + rho * z + math.sqrt(tau2) * e, mu + z
+
+
+def test_nsr_ratio_interval_covers_the_known_ratio():
+    """Over repeated synthetic studies (K = 24 paired batches) the 95% interval of NSR(a) / NSR(b) holds the
+    true ratio about 95% of the time (an undetermined interval counts as a miss), never excludes 1 on the
+    wrong side, and excludes it once the batches are many."""
+    gen, k, reps = torch.Generator().manual_seed(0), 24, 200
+    for rho, tau2 in ((0.5, 0.25), (1.0, 0.3)):  # true ratios 0.5 and 1.3
+        truth = rho**2 + tau2
+        ivs = []
+        for _ in range(reps):
+            a, b = _two_estimators(gen, k, rho, tau2)
+            ivs.append(gs.nsr_ratio(a @ a.T, b @ b.T, list(range(k))))
+        coverage = sum(iv.lo <= truth <= iv.hi for iv in ivs) / reps
+        assert 0.88 <= coverage <= 0.995, (truth, coverage)
+        assert all(iv.k == k and iv.lo <= iv.ratio <= iv.hi for iv in ivs if iv.lo == iv.lo)
+    assert sum(iv.hi < 1 for iv in ivs) == 0  # truth 1.3: never significantly below 1
+    # Power: with this much noise 24 batches rarely settle a true ratio of 0.5; 96 batches always do here.
+    for seed in range(5):
+        a, b = _two_estimators(torch.Generator().manual_seed(seed), 96, 0.5, 0.25)
+        assert gs.nsr_ratio(a @ a.T, b @ b.T, list(range(96))).hi < 1
+
+
+def test_nsr_ratio_is_scale_free_unlike_the_variance_ratio():
+    """Shrinking every advantage by a factor (a self-inclusive baseline's (N-1)/N) moves the variance ratio,
+    not the noise-to-signal ratio: its interval collapses onto 1."""
+    a, _ = _two_estimators(torch.Generator().manual_seed(2), 16, 1.0, 0.0)
+    idx = list(range(16))
+    shrunk = 0.75 * a
+    iv = gs.nsr_ratio(shrunk @ shrunk.T, a @ a.T, idx)
+    assert iv.ratio == pytest.approx(1.0) and iv.lo == pytest.approx(1.0) and iv.hi == pytest.approx(1.0)
+    assert gs.variance_ratio(shrunk @ shrunk.T, a @ a.T, idx)[0] == pytest.approx(0.5625)
+
+
+def test_nsr_interval_is_undetermined_without_signal():
+    """No signal (+-e1, +-e2, +-e3: mean 0, and the debiased signal is negative on every subset): NSR is
+    infinite, so the interval is undetermined (NaN) and no verdict can rest on it."""
+    eye = torch.eye(3, dtype=torch.float64)
+    noise = torch.cat([eye, -eye])
+    signal = torch.ones(6, 3, dtype=torch.float64) + 0.1 * noise
+    idx = list(range(6))
+    for a, b in ((noise, signal), (signal, noise)):
+        iv = gs.nsr_ratio(a @ a.T, b @ b.T, idx)
+        assert math.isnan(iv.lo) and math.isnan(iv.hi)
+    assert not math.isnan(gs.nsr_ratio(signal @ signal.T, signal @ signal.T, idx).lo)
+
+
 def test_moments_of_vectors_match_plain_loops():
     g = torch.randn(7, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64) + 1.5
     ref = torch.randn(5, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.3
@@ -144,15 +206,35 @@ def test_unknown_estimator_is_a_clear_error(tmp_path):
         main(["variance", "--quick", "--estimators", "otb,nope", "--out", str(tmp_path)])
 
 
+def test_name_chooses_the_pages_file_stem():
+    parser = argparse.ArgumentParser()
+    v.add_arguments(parser)
+    assert v.config_from_args(parser.parse_args([])).name == "variance"
+    cfg = v.config_from_args(parser.parse_args(["--task", "walk", "--name", "variance-walk"]))
+    assert cfg.name == "variance-walk" and cfg.task == "walk"
+    assert "--name variance-walk" in command(asdict(cfg)) and "--name" not in command(asdict(v.Config()))
+    for bad in ("", "../x", "a b", "x.md"):
+        with pytest.raises(ValueError, match="--name"):
+            v.check_name(bad)
+
+
 def test_quick_run_writes_the_table_with_every_estimator(tmp_path, capsys):
-    main(["variance", "--quick", "--out", str(tmp_path)])
-    text = (tmp_path / "variance.md").read_text()
-    assert (tmp_path / "variance.png").stat().st_size > 10_000
+    main(["variance", "--quick", "--out", str(tmp_path), "--name", "variance-q", "--threads", "1"])
+    assert not (tmp_path / "variance.md").exists()  # --name: the pages are variance-q.*
+    text = (tmp_path / "variance-q.md").read_text()
+    assert (tmp_path / "variance-q.png").stat().st_size > 10_000
     import json
 
-    numbers = json.loads((tmp_path / "variance.json").read_text())
+    numbers = json.loads((tmp_path / "variance-q.json").read_text())
     assert set(numbers["per_n"]) == {"4", "8"} and "otb" in numbers["per_n"]["4"]["stats"]
-    assert "Regenerate" in text and "--quick" in text
+    assert "Regenerate" in text and "--quick" in text and "--name variance-q" in text
+    # the headline: paired noise-to-signal ratios with intervals, and the verdict rows
+    headline = text.split("## Headline")[1].split("## Method")[0]
+    assert re.search(r"\| N=4 \|\s+[\d.]+ \[([\d.]+, [\d.]+|undetermined)\] \(K=5\)", headline), headline
+    assert "otb / dr_grpo" in headline and "otb / otb_exact" in headline
+    assert re.search(r"\*\*(held|did not hold|inconclusive)\*\*", headline)
+    iv = numbers["per_n"]["4"]["nsr_ratios"]["otb / otb_exact"]
+    assert iv["k"] == v.QUICK["exact_batches"]
     section = text.split("## Relative variance")[1].split("##")[0]
     for label in v.SETTINGS:
         row = re.search(rf"^\|\s+{label} \|(.*)\|$", section, re.MULTILINE)

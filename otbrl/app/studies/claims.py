@@ -1,7 +1,7 @@
 """`docs/results/claims.md`: one row per claim of the OTB paper (and two questions of ours), with what we
 measured and a verdict computed from the studies' JSON results by the rules stated next to each row.
-The rows on the variance study are here, those on training runs in `training_claims`; a study not yet
-run says so instead of guessing.
+The rows on the variance study are in `variance_claims`, those on training runs in `training_claims`; a
+study not yet run says so instead of guessing.
 """
 
 from __future__ import annotations
@@ -15,66 +15,12 @@ from typing import Any
 
 from otbrl.app.studies.report import markdown_table
 from otbrl.app.studies.training_claims import Row, comparison_rows, lr_decay_row, stability_row
-from otbrl.app.studies.variance import GROUP_MEAN
-from otbrl.app.studies.variance_report import ratio_name
+from otbrl.app.studies.variance_claims import proxy_claim, variance_claim
 
 
 def _load(results: Path, name: str) -> dict[str, Any] | None:
     path = results / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _paired(res: dict[str, Any], name: str) -> list[tuple[int, float, float]]:
-    """(N, ratio, SE) of a paired variance ratio from the variance study (same batches for both)."""
-    out = []
-    for n, block in sorted(res["per_n"].items(), key=lambda kv: int(kv[0])):
-        if name in block.get("ratios", {}):
-            ratio, se, _ = block["ratios"][name]
-            out.append((int(n), ratio, se))
-    return out
-
-
-def variance_claim(res: dict[str, Any]) -> Row:
-    ratios = _paired(res, ratio_name("otb", GROUP_MEAN))
-    below = [n for n, r, _ in ratios if r < 1]
-    verdict = "held" if ratios and len(below) == len(ratios) else ("partly" if below else "did not hold")
-    text = ", ".join(f"N={n}: {r:.2f} ± {se:.2f}" for n, r, se in ratios)
-    return (
-        "(a) OTB lowers the policy gradient's variance (against the group-mean baseline, same samples).",
-        f"Relative variance OTB / group mean ({GROUP_MEAN}), paired on the same batches, at a fixed "
-        f"running_sum16 checkpoint: {text}.",
-        f"**{verdict}** (rule: held if below 1 at every N)",
-        "`otbrl variance`",
-    )
-
-
-def proxy_claim(res: dict[str, Any]) -> Row:
-    corr = res.get("correlations", {})
-    token = corr.get("token")
-    seq = corr.get("sequence")
-    ratios = [(n, r) for n, r, _ in _paired(res, ratio_name("otb", "otb_exact"))]
-    parts = []
-    if token:
-        parts.append(f"per token: Spearman {token[2]:.2f}, Pearson {token[0]:.2f} ({token[3]} tokens)")
-    if seq:
-        parts.append(f"per sequence W_T: Spearman {seq[2]:.2f}, Pearson {seq[0]:.2f}")
-    if ratios:
-        parts.append(
-            "variance OTB-proxy / OTB-exact (paired, only 4 batches per N): "
-            + ", ".join(f"N={n}: {r:.2f}" for n, r in ratios)
-        )
-    rank_ok = bool(seq) and seq[2] >= 0.7
-    close = bool(ratios) and all(r <= 1.25 for _, r in ratios)
-    verdict = "held" if rank_ok and close else ("partly" if rank_ok or close else "did not hold")
-    return (
-        "The Logit-Gradient Proxy stands in for the exact per-token score norms, from forward-pass "
-        "probabilities alone (no backward pass).",
-        "; ".join(parts) + ". The proxy needs no backward pass by construction; its cost beside the "
-        "log-probs is in [energy.md](energy.md).",
-        f"**{verdict}** (rule: held if the per-sequence rank correlation ≥ 0.7 and OTB-proxy's variance is "
-        "within 1.25x of OTB-exact's at every N)",
-        "`otbrl variance`",
-    )
 
 
 def loo_question(var: dict[str, Any]) -> Row:
@@ -94,6 +40,7 @@ def loo_question(var: dict[str, Any]) -> Row:
 
 STUDIES = {  # results JSON -> the command that writes it
     "variance": "otbrl variance",
+    "variance-walk": "otbrl variance --task walk --name variance-walk",
     "walk": "otbrl compare walk",
     "ladder": "otbrl compare ladder",
     "tir": "otbrl compare tir",
@@ -101,7 +48,7 @@ STUDIES = {  # results JSON -> the command that writes it
 
 
 def write_claims(results: Path = Path("docs/results")) -> Path:
-    var, walk, ladder, tir = (_load(results, n) for n in STUDIES)
+    var, var_walk, walk, ladder, tir = (_load(results, n) for n in STUDIES)
     rows: list[Row] = []
     missing: list[str] = []
 
@@ -113,7 +60,9 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         rows.extend(out if isinstance(out, list) else [out])
 
     add(var, "variance", variance_claim)
+    add(var_walk, "variance-walk", variance_claim)
     add(var, "variance", proxy_claim)
+    add(var_walk, "variance-walk", proxy_claim)
     add(walk, "walk", lambda r: comparison_rows(r, "walk"))
     add(ladder, "ladder", stability_row)
     add(tir, "tir", lambda r: comparison_rows(r, "tir"))

@@ -1,6 +1,7 @@
 """Statistics of policy-gradient estimates, shared by the variance study and the toy testbed: variance
 (trace of the covariance), noise-to-signal, MSE and cosine against a reference gradient, delete-one
-jackknife errors, bias z-scores, and the correlations of the proxy energy with exact score norms."""
+jackknife errors and intervals, bias z-scores, and the correlations of the proxy energy with exact score
+norms."""
 
 from __future__ import annotations
 
@@ -85,14 +86,18 @@ def jackknife_se(stat: Callable[[list[int]], float], idx: list[int]) -> float:
 
 
 def gradient_stats(gram: torch.Tensor, dots: torch.Tensor, ref_sq: float, idx: list[int]) -> dict[str, float]:
-    """Relative variance (with jackknife SE), relative MSE, debiased noise-to-signal and cosine of the
-    gradients idx, given their Gram matrix (K, K), their dot products with g_ref (K,) and ||g_ref||^2."""
+    """Relative variance (with jackknife SE), relative MSE, debiased noise-to-signal (with a 95% jackknife
+    interval, see jackknife_log_interval) and cosine of the gradients idx, given their Gram matrix (K, K),
+    their dot products with g_ref (K,) and ||g_ref||^2."""
     m = Moments.of_gram(gram, idx, dots, ref_sq)
+    noise = jackknife_log_interval(lambda s: nsr(gram, s), idx)
     return {
         "rel_var": m.trace_cov / ref_sq,
         "rel_var_se": jackknife_se(lambda s: trace_cov(gram, s), idx) / ref_sq,
         "rel_mse": m.rel_mse,
         "nsr": m.nsr(debiased=True),
+        "nsr_lo": noise.lo,
+        "nsr_hi": noise.hi,
         "cosine": m.cosine,
         "k": m.k,
     }
@@ -106,6 +111,58 @@ def variance_ratio(gram_a: torch.Tensor, gram_b: torch.Tensor, idx: list[int]) -
         return trace_cov(gram_a, s) / trace_cov(gram_b, s)
 
     return ratio(idx), jackknife_se(ratio, idx)
+
+
+def nsr(gram: torch.Tensor, idx: list[int]) -> float:
+    """Debiased noise-to-signal trace Cov / ||E g||^2 of the gradients idx, from their Gram matrix."""
+    return Moments.of_gram(gram, idx).nsr(debiased=True)
+
+
+@dataclass(frozen=True)
+class RatioInterval:
+    """A paired ratio of two statistics on the same K batches with a 95% interval: `ratio` is the plug-in
+    estimate on all K; lo, hi = exp(log ratio -/+ t_{0.975, K-1} * jackknife SE of the log ratio). NaN
+    bounds mean the interval is undetermined (a leave-one-out subset had no measurable signal)."""
+
+    ratio: float
+    lo: float
+    hi: float
+    k: int
+    log_se: float
+
+
+def _log_positive(x: float) -> float:
+    return math.log(x) if 0 < x < math.inf else math.nan
+
+
+def jackknife_log_interval(
+    stat: Callable[[list[int]], float], idx: list[int], level: float = 0.95
+) -> RatioInterval:
+    """Interval for a positive statistic (a ratio) over the batches idx: delete-one jackknife SE of its log,
+    with a Student t quantile at K - 1 degrees of freedom (K is small: 16-24 batches). The log makes a
+    ratio's interval symmetric in a / b versus b / a and keeps it positive."""
+    from scipy.stats import t as student_t
+
+    k, est = len(idx), stat(idx)
+    loo = [_log_positive(stat(idx[:j] + idx[j + 1 :])) for j in range(k)] if k >= 3 else []
+    if not loo or any(math.isnan(x) for x in loo) or math.isnan(_log_positive(est)):
+        return RatioInterval(est, math.nan, math.nan, k, math.nan)
+    mean = sum(loo) / k
+    se = math.sqrt((k - 1) / k * sum((x - mean) ** 2 for x in loo))
+    half = float(student_t.ppf(0.5 + level / 2, k - 1)) * se
+    return RatioInterval(est, est * math.exp(-half), est * math.exp(half), k, se)
+
+
+def nsr_ratio(gram_a: torch.Tensor, gram_b: torch.Tensor, idx: list[int]) -> RatioInterval:
+    """NSR(a) / NSR(b) on the same batches idx with its 95% jackknife interval. Unlike the variance ratio it
+    is scale-free: a baseline that shrinks every advantage (a self-inclusive mean) lowers the variance
+    and the signal alike and does not move it."""
+
+    def ratio(s: list[int]) -> float:
+        b = nsr(gram_b, s)
+        return nsr(gram_a, s) / b if b > 0 else math.inf  # inf: undetermined, see jackknife_log_interval
+
+    return jackknife_log_interval(ratio, idx)
 
 
 def bias_z(grads: torch.Tensor, truth: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ variance-vs-N and proxy-vs-exact panels. matplotlib is imported only when a figu
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -145,28 +146,53 @@ def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> 
     _save(fig, png, dpi=100)
 
 
-def _variance_panel(ax: Any, res: dict[str, Any]) -> None:
+# Estimators whose curves coincide (dr_grpo and rloo have equal noise-to-signal; grpo and opo lie close)
+# get distinct markers and dashes, and a small sideways shift, so every one stays visible.
+_STYLES = {
+    "grpo": ("v", (0, (1, 1))),
+    "dr_grpo": ("s", "-"),
+    "rloo": ("x", (0, (4, 2))),
+    "opo": ("^", (0, (1, 2))),
+    "sob": ("D", (0, (6, 2, 1, 2))),
+    "otb": ("o", "-"),
+    "otb_loo": ("P", (0, (3, 1, 1, 1))),
+    "otb_exact": ("*", "--"),
+}
+
+
+def _gap(value: float, bound: float | None) -> float:
+    """Length of an error bar from value to bound; none (0) for a missing or undetermined bound."""
+    return abs(bound - value) if bound is not None and math.isfinite(bound) and math.isfinite(value) else 0.0
+
+
+def _estimator_panel(ax: Any, res: dict[str, Any], key: str) -> None:
+    """One statistic against N per estimator, log-log: key "nsr" (95% interval bars) or "rel_var" (± SE)."""
     import matplotlib.ticker
 
     ns = list(res["per_n"])
-    for e in res["config"]["estimators"]:
+    estimators = list(res["config"]["estimators"])
+    for i, e in enumerate(estimators):
         pts = [(n, res["per_n"][n]["stats"][e]) for n in ns if e in res["per_n"][n]["stats"]]
+        shift = 1.03 ** (i - (len(estimators) - 1) / 2)  # multiplicative: the x axis is logarithmic
+        y = [s[key] for _, s in pts]
+        if key == "nsr":
+            err = [[_gap(v, s.get("nsr_lo")) for v, (_, s) in zip(y, pts, strict=True)],
+                   [_gap(v, s.get("nsr_hi")) for v, (_, s) in zip(y, pts, strict=True)]]  # fmt: skip
+        else:
+            err = [s["rel_var_se"] for _, s in pts]
+        marker, dashes = _STYLES.get(e, ("o", "-"))
         ax.errorbar(
-            [n for n, _ in pts],
-            [s["rel_var"] for _, s in pts],
-            yerr=[s["rel_var_se"] for _, s in pts],
-            marker="o",
-            capsize=2,
-            label=e,
-            lw=2.2 if e.startswith("otb") else 1.2,
-            ls="--" if e == "otb_exact" else "-",
-        )
-    ax.set(xscale="log", yscale="log", xlabel="group size N", ylabel="trace Cov(g) / ||g_ref||²")
+            [n * shift for n, _ in pts], y, yerr=err, marker=marker, ls=dashes, capsize=2, ms=5,
+            label=e, lw=2.0 if e.startswith("otb") else 1.1, alpha=0.9,
+        )  # fmt: skip
+    ylabel = "trace Cov(g) / ||E g||²" if key == "nsr" else "trace Cov(g) / ||g_ref||²"
+    ax.set(xscale="log", yscale="log", xlabel="group size N", ylabel=ylabel)
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_title("relative gradient variance")
+    nsr_title = "noise-to-signal (95% interval; no bar: undetermined)"
+    title = nsr_title if key == "nsr" else "relative variance (± SE; not scale-free)"
+    ax.set_title(f"{res['config']['task']}: {title}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(0.0, -0.15), frameon=False)
 
 
 def _scatter_panel(ax: Any, proxy: torch.Tensor, exact: torch.Tensor, label: str, corr: tuple) -> None:
@@ -181,13 +207,17 @@ def _scatter_panel(ax: Any, proxy: torch.Tensor, exact: torch.Tensor, label: str
 
 
 def plot_variance(res: dict[str, Any], path: Path) -> None:
-    """The variance study (`variance.run_study` result): relative variance against N per estimator, and,
-    when exact norms were measured, proxy against exact energy per token and per sequence."""
+    """The variance study (`variance.run_study` result): noise-to-signal (with 95% intervals) and relative
+    variance against N per estimator, and, when exact norms were measured, proxy against exact energy per
+    token and per sequence."""
     plt = _pyplot()
-    panels = 3 if res["scatter"] else 1
-    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.4), squeeze=False)
-    _variance_panel(axes[0, 0], res)
+    rows = 2 if res["scatter"] else 1
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 4.6 * rows), squeeze=False)
+    _estimator_panel(axes[0, 0], res, "nsr")
+    _estimator_panel(axes[0, 1], res, "rel_var")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    axes[0, 0].legend(handles, labels, fontsize=7, ncol=2, loc="best", framealpha=0.8)
     levels = (("token", "token w_t"), ("sequence", "sequence W_T"))
-    for ax, (key, label) in zip(axes[0, 1:], levels, strict=False):
+    for ax, (key, label) in zip(axes[1] if res["scatter"] else [], levels, strict=False):
         _scatter_panel(ax, *res["scatter"][key], label, res["correlations"][key])
-    _save(fig, path, dpi=110, bbox_inches="tight")  # the legend sits below the first panel
+    _save(fig, path, dpi=110, bbox_inches="tight")

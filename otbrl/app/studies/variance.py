@@ -13,6 +13,9 @@ Method (repeated on the results page):
   backward pass per estimator (g is linear in A). K independent batches per N.
 - Reference: M chunks of P prompts x 32 samples with rloo (unbiased), averaged; its noise
   E||g_ref - grad||^2 is estimated from the spread of the chunks.
+- Headline: the paired noise-to-signal ratio NSR(a) / NSR(b) of two estimators on the same batches, with a
+  95% interval (delete-one jackknife SE of its log, Student t at K - 1 df). The raw variance ratio is not
+  the headline: a self-inclusive baseline shrinks the advantages, lowering variance and signal alike.
 - Over the K estimates g_k: relative variance trace Cov(g_k) / ||g_ref||^2 (unbiased, K - 1); relative MSE
   mean_k ||g_k - g_ref||^2 / ||g_ref||^2 (includes the reference's own noise); noise-to-signal
   trace Cov / ||E g||^2 with ||E g||^2 estimated without bias as ||mean g||^2 - trace Cov / K (scale-free:
@@ -48,7 +51,7 @@ from otbrl.app.studies.gradients import (
     policy_gradients,
     token_logprobs,
 )
-from otbrl.app.studies.gradstats import gradient_stats, pooled_correlations, variance_ratio
+from otbrl.app.studies.gradstats import gradient_stats, nsr_ratio, pooled_correlations, variance_ratio
 from otbrl.app.studies.plots import plot_variance
 from otbrl.app.studies.variance_report import ratio_name, report
 
@@ -63,7 +66,7 @@ SETTINGS: dict[str, Setting] = {
     "otb_exact": ("otb_exact", {}, "exact"),
 }
 GROUP_MEAN = "dr_grpo"  # A = R - group mean: the baseline OTB generalises
-RATIOS = (("otb", GROUP_MEAN), ("otb_loo", "rloo"), ("otb", "otb_exact"))  # headline variance ratios
+RATIOS = (("otb", GROUP_MEAN), ("otb_loo", "rloo"), ("otb", "otb_exact"))  # paired ratios (NSR, variance)
 REFERENCE_ESTIMATOR, REFERENCE_GROUP_SIZE = "rloo", 32
 
 
@@ -79,9 +82,10 @@ class Config:
     ref_batches: int = 32  # chunks of the reference gradient
     seed: int = 0
     quick: bool = False
+    name: str = "variance"  # the pages' file stem: NAME.md, NAME.json, NAME.png
 
 
-QUICK = {"group_sizes": (4, 8), "k": 5, "prompts": 6, "exact_batches": 2, "ref_batches": 4}
+QUICK = {"group_sizes": (4, 8), "k": 5, "prompts": 6, "exact_batches": 3, "ref_batches": 4}
 
 
 def check(cfg: Config) -> None:
@@ -90,6 +94,34 @@ def check(cfg: Config) -> None:
         raise ValueError(f"estimators: unknown {unknown}; known: {', '.join(SETTINGS)}")
     if cfg.k < 3 or cfg.ref_batches < 2 or cfg.prompts < 1 or min(cfg.group_sizes) < 2:
         raise ValueError("need k >= 3, ref_batches >= 2, prompts >= 1 and group sizes >= 2")
+    if "otb_exact" in cfg.estimators and cfg.exact_batches < 3:  # a variance needs 2, an interval 3
+        raise ValueError("otb_exact needs --exact-batches >= 3")
+
+
+def within_group_length_cv(mask: torch.Tensor, groups: torch.Tensor) -> float:
+    """Mean over groups of std / mean of the completion lengths (population std), as in
+    docs/results/horizon.md: how much the samples of one prompt differ in length."""
+    lengths = mask.sum(-1).double()
+    cvs = [lengths[groups == g] for g in groups.unique()]
+    return sum((x.std(correction=0) / x.mean()).item() for x in cvs) / len(cvs)
+
+
+def load_checkpoint(task: str, preset: str, log: Callable[[str], Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """The warm start that ships with otbrl (or sits in the cache), never a new one: building one takes up
+    to 35 minutes and would not be the policy the pages describe."""
+    from otbrl.tasks import warm_start
+    from otbrl.tasks.warmstart import SHIPPED, default_cache_dir
+
+    stored = [d for root in (default_cache_dir(), SHIPPED) for d in root.glob(f"{task}-{preset}-*")]
+    if not any((d / "info.json").is_file() for d in stored):
+        raise ValueError(
+            f"no shipped or cached warm start for {task}/{preset} under {SHIPPED}; build one first with "
+            f"`python -m otbrl.tasks.warmstart {task}`"
+        )
+    model, tokenizer, info = warm_start(task, preset, log=log)
+    if not info.get("cached"):  # only reachable if the stored one was made with other settings
+        raise ValueError(f"warm start for {task}/{preset} was rebuilt instead of loaded")
+    return model, tokenizer, info
 
 
 def reference_gradient(bench: Bench, chunks: int, bar: Any) -> tuple[torch.Tensor, float]:
@@ -116,12 +148,13 @@ def measure_group_size(
     first exact_batches also get exact norms; their energies are added to `tokens` for the correlations."""
     n_exact = min(cfg.exact_batches, cfg.k)
     grads: dict[str, list[torch.Tensor]] = {label: [] for label in cfg.estimators}
-    rewards, lengths = [], []
+    rewards, lengths, cvs = [], [], []
     for k in range(cfg.k):
         bar.set_postfix_str(f"N={n} batch {k + 1}/{cfg.k}" + (" +exact" if k < n_exact else ""))
         r = bench.batch(n)
         rewards.append(r.rewards.mean().item())
         lengths.append(r.mask.sum(-1).double().mean().item())
+        cvs.append(within_group_length_cv(r.mask, r.group_ids))
         with bench.timed("gradients"):
             logp, proxy = token_logprobs(bench.model, r)
             # The teacher-forced pass must reproduce what was sampled (catches misaligned columns).
@@ -145,16 +178,19 @@ def measure_group_size(
         g64 = torch.stack(gs).double()
         grams[label] = g64 @ g64.T
         stats[label] = gradient_stats(grams[label], g64 @ ref, ref_sq, list(range(len(gs))))
-    ratios = {}
+    ratios, nsr_ratios = {}, {}
     for a, b in RATIOS:
         if a in grams and b in grams:
-            idx = list(range(min(len(grams[a]), len(grams[b]))))
+            idx = list(range(min(len(grams[a]), len(grams[b]))))  # the batches both have: paired
             ratios[ratio_name(a, b)] = (*variance_ratio(grams[a], grams[b], idx), len(idx))
+            nsr_ratios[ratio_name(a, b)] = asdict(nsr_ratio(grams[a], grams[b], idx))
     return {
         "stats": stats,
+        "nsr_ratios": nsr_ratios,
         "ratios": ratios,
         "reward": sum(rewards) / len(rewards),
         "length": sum(lengths) / len(lengths),
+        "length_cv": sum(cvs) / len(cvs),
     }
 
 
@@ -162,12 +198,12 @@ def run_study(cfg: Config, log: Callable[[str], Any] = print, progress: bool = T
     """Run the whole measurement; returns the numbers the report and the plot are made from."""
     from tqdm.auto import tqdm
 
-    from otbrl.tasks import dataset, get_task, warm_start
+    from otbrl.tasks import dataset, get_task
 
     check(cfg)
     start = time.perf_counter()
-    task = get_task(cfg.task)
-    model, tokenizer, info = warm_start(cfg.task, cfg.preset, log=log)
+    task = get_task(cfg.task)  # its own token budget (max_completion_tokens) bounds every sample
+    model, tokenizer, info = load_checkpoint(cfg.task, cfg.preset, log)
     # vmap (in the exact norms) has no batching rule for the CPU flash-attention backward; eager is the
     # same function and ~1.4x faster there.
     model.set_attn_implementation("eager")
@@ -183,6 +219,7 @@ def run_study(cfg: Config, log: Callable[[str], Any] = print, progress: bool = T
     return {
         "config": asdict(cfg),
         "checkpoint": {k: info.get(k) for k in ("task", "preset", "reward", "steps")},
+        "budget": task.max_completion_tokens,
         "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "ref": {"noise": ref_noise, "rows": cfg.ref_batches * cfg.prompts * REFERENCE_GROUP_SIZE},
         "per_n": per_n,
@@ -216,6 +253,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ref-batches", type=int, help=f"chunks of the reference gradient (default {d.ref_batches})"
     )
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--name", default=d.name, help=f"file stem of the pages: NAME.md, .json, .png (default {d.name})"
+    )
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -231,22 +272,43 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "group_sizes": tuple(int(x) for x in args.group_sizes.split(",")) if args.group_sizes else None,
         "estimators": tuple(x.strip() for x in args.estimators.split(",")) if args.estimators else None,
     }
-    return replace(cfg, seed=args.seed, **{k: v for k, v in given.items() if v is not None})
+    return replace(cfg, seed=args.seed, name=args.name, **{k: v for k, v in given.items() if v is not None})
 
 
-def main(args: argparse.Namespace) -> Path:
-    """Run the study and write variance.md, variance.json and variance.png; returns the markdown path."""
-    cfg = config_from_args(args)
-    out = args.out or (Path("runs/variance-quick") if cfg.quick else Path("docs/results"))
-    res = run_study(cfg)
+def check_name(name: str) -> str:
+    """A page name is a plain file stem (it becomes NAME.md next to the other results)."""
+    if not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise ValueError(f"--name: {name!r} is not a plain file stem (letters, digits, '-' and '_')")
+    return name
+
+
+def write_pages(res: dict[str, Any], out: Path) -> Path:
+    """NAME.md, NAME.json and NAME.png under out (NAME: res["config"]["name"]); returns the markdown path."""
+    name = check_name(res["config"]["name"])
     text = report(res, GROUP_MEAN, REFERENCE_GROUP_SIZE)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "variance.md").write_text(text)
+    (out / f"{name}.md").write_text(text)
     # The numbers behind the page (everything but the scatter tensors), for otbrl claims and readers.
     numbers = {k: v for k, v in res.items() if k != "scatter"}
     numbers["per_n"] = {str(n): block for n, block in res["per_n"].items()}
-    (out / "variance.json").write_text(json.dumps(numbers, indent=1, default=float))
-    plot_variance(res, out / "variance.png")
-    print(text)
-    print(f"wrote {out / 'variance.md'}, .json and .png")
-    return out / "variance.md"
+    (out / f"{name}.json").write_text(json.dumps(numbers, indent=1, default=float))
+    plot_variance(res, out / f"{name}.png")
+    return out / f"{name}.md"
+
+
+def main(args: argparse.Namespace) -> Path:
+    """Run the study and write NAME.md, NAME.json and NAME.png (NAME: --name, default variance); returns
+    the markdown path."""
+    cfg = config_from_args(args)
+    check_name(cfg.name)  # before the run, not after it
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = args.out or (Path("runs/variance-quick") if cfg.quick else Path("docs/results"))
+    res = run_study(cfg)
+    if not cfg.quick:  # everything the pages are made from, so they can be redrawn without a rerun
+        Path("runs").mkdir(exist_ok=True)
+        torch.save(res, Path("runs") / f"{cfg.name}-result.pt")
+    page = write_pages(res, out)
+    print(page.read_text())
+    print(f"wrote {page}, .json and .png")
+    return page
