@@ -110,7 +110,7 @@ def _fake_run(root: Path, arm: str, seed: int, rewards: list[float], tokens_per_
         tokens = tokens_per_step * (i + 1)
         row = {"step": i + 1, "generated_tokens": tokens, "reward": r,
                "grad_norm": norms[i] if norms else 1.0, "clipped": bool(norms and norms[i] > 1.0),
-               "prompts_sha": prompts[i] if prompts else f"p{i}", "horizon/length_cv": 0.5}  # fmt: skip
+               "prompts_sha": prompts[i] if prompts else f"p{i}", "otb/horizon/length_cv": 0.5}  # fmt: skip
         due = [b for b in (heldout or {}) if tokens - tokens_per_step < b <= tokens]
         if due:
             row.update(heldout_reward=heldout[due[0]], heldout_budgets=due)
@@ -153,6 +153,7 @@ def test_analysis_on_known_runs(tmp_path) -> None:
     assert matches["heldout"][0]["interval"].mean == pytest.approx(-0.01)
     assert matches["verdict"] == "held"  # -0.01 exactly in every seed: the interval is above -0.05
     assert res["prompt_problems"] == []
+    assert otb["length_cv_start"] == [0.5, 0.5, 0.5]  # the trainer's otb/horizon/length_cv, first steps
     text = table(exp, res)
     assert "| otb | 3 |" in text and "300.000 ± 0.000 (3/3)" in text
     assert "held-out reward @0.4k vs 1.6k" in comparisons_table(res)

@@ -95,7 +95,7 @@ def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0, batch: int = 1) -
         for b in r.get("heldout_budgets", []):
             heldout[int(b)], heldout_tokens[int(b)] = r["heldout_reward"], r["generated_tokens"]
     k = max(1, len(reward) // 10)
-    horizon = {key: [r[f"horizon/{key}"] for r in rewarded if f"horizon/{key}" in r]
+    horizon = {key: [r[f"otb/horizon/{key}"] for r in rewarded if f"otb/horizon/{key}" in r]
                for key in ("length_cv", "energy_cv", "reward_spread", "energy_reward_corr")}  # fmt: skip
     return {
         "seed": seed,
