@@ -43,6 +43,9 @@ def horizon(res: dict[str, Any], task: str) -> str:
 def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
     """One row per comparison in `<experiment>.json` (written by `otbrl compare`)."""
     exp = load_experiment(experiment)
+    if "comparisons" not in res:
+        raise ValueError(f"{experiment}.json: no paired comparisons (written by an older otbrl); rerun "
+                         f"`otbrl compare {experiment}`")  # fmt: skip
     task = horizon(res, exp.recipe)
     rows = []
     for c in res["comparisons"]:
