@@ -5,6 +5,7 @@ plot of what the arms bought."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,14 @@ def _k(tokens: float) -> str:
     return f"{tokens / 1000:g}k"
 
 
+def _whole(values: list[float]) -> str:
+    """'41 ± 1' (whole numbers: steps, seconds)."""
+    kept = [v for v in values if v is not None and v == v]
+    if not kept:
+        return "—"
+    return f"{statistics.fmean(kept):.0f}" + (f" ± {statistics.stdev(kept):.0f}" if len(kept) > 1 else "")
+
+
 def _collapsed(s: dict[str, Any]) -> str:
     steps = [c for c in s["collapses"] if c is not None]
     return f"{len(steps)}/{s['seeds']}" + (f" ({', '.join(map(str, steps))})" if steps else "")
@@ -52,8 +61,8 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
         ]
         rows.append([
             arm, s["seeds"], *(mean_sd(s["heldout"].get(b, [])) for b in budgets), *reach,
-            mean_sd(s["final"]), mean_sd(s["total_tokens"]), mean_sd(s["steps_run"]).replace(".000", ""),
-            mean_sd(s["train_seconds"]).replace(".000", ""), mean_sd(s["clip_fraction"]), s["surges"],
+            mean_sd(s["final"]), mean_sd(s["total_tokens"]), _whole(s["steps_run"]),
+            _whole(s["train_seconds"]), mean_sd(s["clip_fraction"]), s["surges"],
             _collapsed(s),
         ])  # fmt: skip
     return markdown_table(head, rows, aligned=False)
