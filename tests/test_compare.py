@@ -217,7 +217,7 @@ def test_plan_keeps_the_prompt_budget_and_each_arms_seeds(tmp_path) -> None:
     for run in runs:
         n = run.overrides["num_generations"]
         assert run.overrides["per_device_train_batch_size"] == 4 * n
-        assert run.overrides["max_generated_tokens"] == (900_000 if n == 32 else 300_000)
+        assert run.overrides["max_generated_tokens"] == (600_000 if n == 32 else 200_000)
         assert "seeds" not in run.overrides and run.overrides["eval_size"] >= 512
         assert run.overrides["output_dir"] == str(tmp_path / run.arm / f"seed{run.seed}")
 
@@ -307,7 +307,7 @@ def test_quick_mode_end_to_end(tmp_path, name) -> None:
 
 @pytest.mark.parametrize("name", experiment_names())
 def test_quick_settings_win_over_each_arms_own(tmp_path, name) -> None:
-    """--quick is a smoke run: an arm's own budget (grpo-N32's 900k tokens in walk) must not undo it."""
+    """--quick is a smoke run: an arm's own budget (grpo-N32's 600k tokens in walk) must not undo it."""
     quick = load_experiment(name, quick=True)
     forced = quick.forced
     assert forced, f"{name}: its quick section changes nothing"
