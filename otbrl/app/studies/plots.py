@@ -142,7 +142,9 @@ def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> 
         ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 3)) if ax is not norm_ax else None
     reward_ax.legend(fontsize=8, loc="best")
     heldout_ax.legend(fontsize=8, loc="best")
-    fig.suptitle(title + "\n(lines: mean over seeds; bands: 95% t interval)", fontsize=10)
+    import textwrap
+
+    fig.suptitle(textwrap.fill(title, 150) + "\n(lines: mean over seeds; bands: 95% t interval)", fontsize=10)
     _save(fig, png, dpi=100)
 
 
