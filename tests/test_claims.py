@@ -55,7 +55,8 @@ def test_comparison_rows_state_intervals_rule_and_horizon() -> None:
     assert claim == "claim OTB vs GRPO, N=4" and command == "`otbrl compare walk`"
     assert "within-group length CV 0.53" in measured and "energy CV 1.10" in measured
     assert "held-out reward @100k: +0.030 [+0.010, +0.050] (n=5)" in measured
-    assert "tokens saved to train reward 0.45: +12.0k [-3.0k, +27.0k] (n=5), reached in 5/4 seeds" in measured
+    assert ("tokens saved to train reward 0.45: +12.0k [-3.0k, +27.0k] (n=5) (reached by otb-N4 in 5 seeds, "
+            "by grpo-N4 in 4)") in measured
     assert "paired over 5 seeds" in measured
     assert verdict.startswith("**inconclusive** (rule: held if the 95% t interval")
     assert "@300k vs 900k: -0.010 [-0.050, +0.030] (n=3)" in second[1] and "paired over 3 seeds" in second[1]

@@ -56,8 +56,8 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
             parts.append(f"held-out reward @{at}: {_interval(h['interval'])}")
         for t in c["tokens"]:
             parts.append(f"tokens saved to train reward {t['threshold']:g}: "
-                         f"{_interval(t['interval']).text(thousands=True)}, reached in "
-                         f"{t['reached'][0]}/{t['reached'][1]} seeds")  # fmt: skip
+                         f"{_interval(t['interval']).text(thousands=True)} (reached by {c['candidate']} in "
+                         f"{t['reached'][0]} seeds, by {c['baseline']} in {t['reached'][1]})")  # fmt: skip
         seeds = len(load_experiment(experiment).arm_seeds(c["baseline"]))
         measured = (f"{task}; {c['candidate']} − {c['baseline']}, paired over {seeds} seeds, mean "
                     f"[{exp.confidence:.0%} CI]: " + "; ".join(parts) + ".")  # fmt: skip
