@@ -36,7 +36,7 @@ def _comparison(name: str, kind: str, cand: str, base: str, heldout: list, verdi
 def _walk_result() -> dict:
     spreads = {"length_cv_start": [0.5, 0.56], "energy_cv_start": [1.0, 1.2],
                "reward_spread_start": [0.9, 0.9]}  # fmt: skip
-    arms = {a: spreads for a in ("otb-N4", "grpo-N4")}
+    arms = {a: {**spreads, "start": [0.3, 0.32], "final": [0.5, 0.52]} for a in ("otb-N4", "grpo-N4")}
     held = [{"budget": 100000, "baseline_budget": 100000, "interval": _ci(0.03, 0.01, 0.05),
              "verdict": "held"}]  # fmt: skip
     tokens = [{"threshold": 0.45, "interval": _ci(12000.0, -3000.0, 27000.0), "verdict": "inconclusive",
@@ -57,7 +57,7 @@ def test_comparison_rows_state_intervals_rule_and_horizon() -> None:
     assert "held-out reward @100k: +0.030 [+0.010, +0.050] (n=5)" in measured
     assert ("tokens saved to train reward 0.45: +12.0k [-3.0k, +27.0k] (n=5) (reached by otb-N4 in 5 seeds, "
             "by grpo-N4 in 4)") in measured
-    assert "paired over 5 seeds" in measured
+    assert "paired over 5 seeds" in measured and "otb-N4 train reward 0.31 → 0.51" in measured
     assert verdict.startswith("**inconclusive** (rule: held if the 95% t interval")
     assert "@300k vs 900k: -0.010 [-0.050, +0.030] (n=3)" in second[1] and "paired over 3 seeds" in second[1]
     assert "above -0.03" in second[2]

@@ -130,6 +130,7 @@ def _arm_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "seeds": len(results),
         "seed_list": [r["seed"] for r in results],
+        "start": [r["start"] for r in results],
         "final": [r["final"] for r in results],
         "held_out": [r["held_out"] for r in results],
         "heldout": {b: [r["heldout"].get(b) for r in results] for b in budgets},

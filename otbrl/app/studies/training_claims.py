@@ -58,7 +58,12 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
             parts.append(f"tokens saved to train reward {t['threshold']:g}: "
                          f"{_interval(t['interval']).text(thousands=True)} (reached by {c['candidate']} in "
                          f"{t['reached'][0]} seeds, by {c['baseline']} in {t['reached'][1]})")  # fmt: skip
-        seeds = len(load_experiment(experiment).arm_seeds(c["baseline"]))
+        for arm in (c["candidate"], c["baseline"]):  # did they learn at all? (first -> last 10% of steps)
+            a = res["arms"].get(arm, {})
+            if a.get("start") and a.get("final"):
+                parts.append(f"{arm} train reward {statistics.fmean(a['start']):.2f} → "
+                             f"{statistics.fmean(a['final']):.2f}")  # fmt: skip
+        seeds = len(exp.arm_seeds(c["baseline"]))
         measured = (f"{task}; {c['candidate']} − {c['baseline']}, paired over {seeds} seeds, mean "
                     f"[{exp.confidence:.0%} CI]: " + "; ".join(parts) + ".")  # fmt: skip
         why = rule(c["kind"], c.get("margin", 0.0), exp.confidence)
