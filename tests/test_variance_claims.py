@@ -56,3 +56,18 @@ def test_proxy_claim_verdicts() -> None:
 
 def test_task_label_without_lengths() -> None:
     assert task_label({"config": {"task": "running_sum16"}, "per_n": {"4": {}}}) == "running_sum16"
+
+
+def test_task_label_states_the_samples_horizon() -> None:
+    """Every study states, per task, how its samples differ inside a group: averaged over the study's N."""
+    res = _study("otb / dr_grpo", [(0.4, 0.6), (0.7, 0.95)])
+    res["per_n"]["4"]["horizon"] = {"length_cv": 0.4, "energy_cv": 1.0, "energy_reward_corr": -0.2,
+                                    "reward_spread": 0.5}  # fmt: skip
+    res["per_n"]["8"]["horizon"] = {"length_cv": 0.6, "energy_cv": 1.2, "energy_reward_corr": -0.4,
+                                    "reward_spread": 0.7}  # fmt: skip
+    assert task_label(res) == (
+        "walk (within-group length CV 0.50, energy CV 1.10, energy–reward correlation -0.30, "
+        "reward spread in 60% of groups in the study's samples)"
+    )
+    del res["per_n"]["8"]["horizon"]["energy_cv"]  # a key one N lacks is left out, not half-averaged
+    assert "energy CV" not in task_label(res) and "length CV 0.50" in task_label(res)

@@ -54,6 +54,7 @@ from otbrl.app.studies.gradients import (
 from otbrl.app.studies.gradstats import gradient_stats, nsr_ratio, pooled_correlations, variance_ratio
 from otbrl.app.studies.plots import plot_variance
 from otbrl.app.studies.variance_report import ratio_name, report
+from otbrl.stability import group_horizons
 
 SETTINGS: dict[str, Setting] = {
     "grpo": ("grpo", {}, None),
@@ -98,14 +99,6 @@ def check(cfg: Config) -> None:
         raise ValueError("otb_exact needs --exact-batches >= 3")
 
 
-def within_group_length_cv(mask: torch.Tensor, groups: torch.Tensor) -> float:
-    """Mean over groups of std / mean of the completion lengths (population std), as in
-    docs/results/horizon.md: how much the samples of one prompt differ in length."""
-    lengths = mask.sum(-1).double()
-    cvs = [lengths[groups == g] for g in groups.unique()]
-    return sum((x.std(correction=0) / x.mean()).item() for x in cvs) / len(cvs)
-
-
 def load_checkpoint(task: str, preset: str, log: Callable[[str], Any]) -> tuple[Any, Any, dict[str, Any]]:
     """The warm start that ships with otbrl (or sits in the cache), never a new one: building one takes up
     to 35 minutes and would not be the policy the pages describe."""
@@ -148,18 +141,18 @@ def measure_group_size(
     first exact_batches also get exact norms; their energies are added to `tokens` for the correlations."""
     n_exact = min(cfg.exact_batches, cfg.k)
     grads: dict[str, list[torch.Tensor]] = {label: [] for label in cfg.estimators}
-    rewards, lengths, cvs = [], [], []
+    rewards, lengths, horizons = [], [], []
     for k in range(cfg.k):
         bar.set_postfix_str(f"N={n} batch {k + 1}/{cfg.k}" + (" +exact" if k < n_exact else ""))
         r = bench.batch(n)
         rewards.append(r.rewards.mean().item())
         lengths.append(r.mask.sum(-1).double().mean().item())
-        cvs.append(within_group_length_cv(r.mask, r.group_ids))
         with bench.timed("gradients"):
             logp, proxy = token_logprobs(bench.model, r)
             # The teacher-forced pass must reproduce what was sampled (catches misaligned columns).
             torch.testing.assert_close(logp.detach().float(), r.logprobs, atol=1e-3, rtol=0)
         energy = {"proxy": proxy}
+        horizons.append(group_horizons(r.mask, proxy.detach(), r.rewards, r.group_ids))
         if k < n_exact:
             with bench.timed("exact norms"):
                 energy["exact"] = exact_energy(bench.model, r)
@@ -190,7 +183,10 @@ def measure_group_size(
         "ratios": ratios,
         "reward": sum(rewards) / len(rewards),
         "length": sum(lengths) / len(lengths),
-        "length_cv": sum(cvs) / len(cvs),
+        # how the samples of one prompt differ (the setting OTB's per-token weights act in), averaged over
+        # the K batches: length_cv, energy_cv, reward_spread, energy_reward_corr (stability.group_horizons)
+        "horizon": {key.removeprefix("horizon/"): sum(h[key] for h in horizons) / len(horizons)
+                    for key in horizons[0]},  # fmt: skip
     }
 
 

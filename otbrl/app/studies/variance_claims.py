@@ -10,7 +10,7 @@ from typing import Any
 from otbrl.app.studies.inference import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTED
 from otbrl.app.studies.training_claims import Row
 from otbrl.app.studies.variance import GROUP_MEAN
-from otbrl.app.studies.variance_report import command, ratio_name
+from otbrl.app.studies.variance_report import command, ratio_name, task_horizon
 
 PROXY_RANK = 0.7  # least per-sequence Spearman of proxy and exact W_T for the proxy to stand in
 PROXY_NSR = 1.25  # most NSR(otb proxy) / NSR(otb exact) for the proxy to stand in
@@ -44,12 +44,15 @@ def interval_text(ivs: list[tuple[int, dict[str, float]]]) -> str:
 
 
 def task_label(res: dict[str, Any]) -> str:
-    """The task, with its within-group length CV as measured in the study's own samples."""
+    """The task, with how its samples differ inside a group as measured in the study's own samples
+    (within-group length and energy CV, energy–reward correlation, share of groups with a reward spread)."""
     task = res.get("config", {}).get("task", "?")
-    cvs = [b["length_cv"] for b in res.get("per_n", {}).values() if "length_cv" in b]
-    if not cvs:
-        return task
-    return f"{task} (within-group length CV {sum(cvs) / len(cvs):.2f} in the study's samples)"
+    h = task_horizon(res)
+    parts = [f"{label} {h[key]:.2f}" for key, label in (("length_cv", "within-group length CV"),
+             ("energy_cv", "energy CV"), ("energy_reward_corr", "energy–reward correlation")) if key in h]
+    if "reward_spread" in h:
+        parts.append(f"reward spread in {h['reward_spread']:.0%} of groups")
+    return f"{task} ({', '.join(parts)} in the study's samples)" if parts else task
 
 
 def _command(res: dict[str, Any]) -> str:

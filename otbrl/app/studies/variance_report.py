@@ -224,16 +224,36 @@ def _correlations(corr: dict[str, tuple[float, float, float, int]]) -> list[str]
     ]
 
 
+HORIZON_LABELS = (
+    ("length_cv", "within-group length CV (std / mean per group, averaged)"),
+    ("energy_cv", "within-group energy CV (of W_T, the proxy's)"),
+    ("energy_reward_corr", "within-group energy–reward correlation"),
+    ("reward_spread", "share of groups with a reward spread"),
+)
+
+
+def horizon(block: dict[str, Any]) -> dict[str, float]:
+    """One N's horizon statistics (`stability.group_horizons`, averaged over its batches); results
+    written before they were measured carry the length CV alone."""
+    return block.get("horizon") or ({"length_cv": block["length_cv"]} if "length_cv" in block else {})
+
+
+def task_horizon(res: dict[str, Any]) -> dict[str, float]:
+    """The horizon statistics averaged over the study's group sizes (keys every N has)."""
+    blocks = [horizon(b) for b in res.get("per_n", {}).values()]
+    keys = [k for k, _ in HORIZON_LABELS if blocks and all(k in b for b in blocks)]
+    return {k: sum(b[k] for b in blocks) / len(blocks) for k in keys}
+
+
 def report(res: dict[str, Any], group_mean: str, reference_group_size: int) -> str:
     """The page as markdown. group_mean: the estimator label OTB is set against; reference_group_size:
     the N of the reference gradient's samples."""
     cfg, ns, sec = res["config"], list(res["per_n"]), res["seconds"]
     budget = f", token budget {res['budget']}" if "budget" in res else ""
-    cv = (
-        ", within-group length CV (std / mean per group, averaged) "
-        + ", ".join(f"N={n}: {res['per_n'][n]['length_cv']:.2f}" for n in ns)
-        if "length_cv" in res["per_n"][ns[0]]
-        else ""
+    cv = "".join(
+        f", {label} " + ", ".join(f"N={n}: {horizon(res['per_n'][n])[key]:.2f}" for n in ns)
+        for key, label in HORIZON_LABELS
+        if all(key in horizon(res["per_n"][n]) for n in ns)
     )
     lines = [
         f"# Gradient variance of advantage estimators at a fixed checkpoint: {cfg['task']}",
