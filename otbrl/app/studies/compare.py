@@ -120,9 +120,14 @@ def definitions(exp: Experiment) -> str:
         f"over {SURGE_SMOOTH} steps with zero-gradient steps left out, above {exp.surge_factor:g}x the "
         f"median of its previous {SURGE_HISTORY} values. Collapsed: the trailing mean reward below "
         f"{exp.collapse_fraction:.0%} of its first window's for {exp.collapse_steps} consecutive steps "
-        "inside the run. Comparisons are paired by seed (same warm start, same prompts per step, same "
-        f"held-out set); verdict rules: {rules}. A comparison's verdict combines its endpoints: held or "
-        "did not hold when all tested endpoints agree, inconclusive otherwise."
+        "inside the run."
+        + (
+            " Comparisons are paired by seed (same warm start, same prompts per step, same held-out set); "
+            f"verdict rules: {rules}. A comparison's verdict combines its endpoints: held or did not hold "
+            "when all tested endpoints agree, inconclusive otherwise."
+            if exp.comparisons
+            else " Verdicts on collapse are stated with the claims that read this page (`otbrl claims`)."
+        )
     )
 
 
