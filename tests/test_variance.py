@@ -5,6 +5,7 @@ formulas, and `otbrl variance --quick` end to end."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from dataclasses import asdict
@@ -242,3 +243,21 @@ def test_quick_run_writes_the_table_with_every_estimator(tmp_path, capsys):
         values = [float(c.split("±")[0]) for c in row.group(1).split("|")]
         assert len(values) == len(v.QUICK["group_sizes"]) and all(math.isfinite(x) and x > 0 for x in values)
     assert re.search(r"otb / dr_grpo", text) and "Pearson" in text
+
+
+def test_raw_variance_reading_survives_the_json_round_trip():
+    """The page is rendered from results read back from JSON too, where N keys are strings: N=16 must
+    still sort after N=4 (a lexicographic sort gave "needs N <= 16" for "~16")."""
+    from otbrl.app.studies.variance_report import _verdict
+
+    per_n = {}
+    for n, (gm, otb) in {4: (1.0, 0.25), 8: (0.5, 0.3), 16: (0.25, 0.2)}.items():
+        per_n[n] = {"stats": {"dr_grpo": {"rel_var": gm}, "otb": {"rel_var": otb}},
+                    "ratios": {"otb / dr_grpo": (otb / gm, 0.0, 0.0, 8)}}  # fmt: skip
+    cfg = {"estimators": ["dr_grpo", "otb"], "prompts": 8, "exact_batches": 0, "k": 8, "task": "walk"}
+    res = {"config": cfg, "per_n": per_n}
+    lines = _verdict(res, "dr_grpo")
+    assert lines == _verdict(json.loads(json.dumps(res)), "dr_grpo")
+    assert "At N=4, OTB's raw gradient variance is 0.25x the group mean's; the group mean needs N ~16" in (
+        lines[2]
+    )

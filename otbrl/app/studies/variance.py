@@ -53,6 +53,7 @@ from otbrl.app.studies.gradients import (
 )
 from otbrl.app.studies.gradstats import gradient_stats, nsr_ratio, pooled_correlations, variance_ratio
 from otbrl.app.studies.plots import plot_variance
+from otbrl.app.studies.variance_claims import GROUP_MEAN, proxy_claim, variance_claim
 from otbrl.app.studies.variance_report import ratio_name, report
 from otbrl.stability import group_horizons
 
@@ -66,7 +67,6 @@ SETTINGS: dict[str, Setting] = {
     "otb_loo": ("otb", {"leave_one_out": True}, "proxy"),
     "otb_exact": ("otb_exact", {}, "exact"),
 }
-GROUP_MEAN = "dr_grpo"  # A = R - group mean: the baseline OTB generalises
 RATIOS = (("otb", GROUP_MEAN), ("otb_loo", "rloo"), ("otb", "otb_exact"))  # paired ratios (NSR, variance)
 REFERENCE_ESTIMATOR, REFERENCE_GROUP_SIZE = "rloo", 32
 
@@ -281,7 +281,7 @@ def check_name(name: str) -> str:
 def write_pages(res: dict[str, Any], out: Path) -> Path:
     """NAME.md, NAME.json and NAME.png under out (NAME: res["config"]["name"]); returns the markdown path."""
     name = check_name(res["config"]["name"])
-    text = report(res, GROUP_MEAN, REFERENCE_GROUP_SIZE)
+    text = report(res, GROUP_MEAN, REFERENCE_GROUP_SIZE, [variance_claim(res), proxy_claim(res)])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
     # The numbers behind the page (everything but the scatter tensors), for otbrl claims and readers.

@@ -60,10 +60,9 @@ def interval_cell(iv: dict[str, float]) -> str:
     return f"{iv['ratio']:.3f} [{iv['lo']:.3f}, {iv['hi']:.3f}] (K={int(iv['k'])})"
 
 
-def _headline(res: dict[str, Any], group_mean: str) -> list[str]:
-    """The paired noise-to-signal ratios per N with their intervals, and the verdicts they give."""
-    from otbrl.app.studies.variance_claims import proxy_claim, variance_claim
-
+def _headline(res: dict[str, Any], group_mean: str, verdict_rows: list[tuple[str, ...]]) -> list[str]:
+    """The paired noise-to-signal ratios per N with their intervals, and the verdicts they give
+    (verdict_rows: the claims rows, `variance_claims`)."""
     ns = list(res["per_n"])
     names = list(res["per_n"][ns[0]].get("nsr_ratios", {}))
     if not names:
@@ -73,7 +72,7 @@ def _headline(res: dict[str, Any], group_mean: str) -> list[str]:
                      else "-" for r in names)]
         for n in ns
     ]  # fmt: skip
-    verdicts = [list(row[:3]) for row in (variance_claim(res), proxy_claim(res))]
+    verdicts = [list(row[:3]) for row in verdict_rows]
     return [
         "## Headline: noise-to-signal ratios at equal N (paired, same batches, 95% interval)",
         "",
@@ -195,7 +194,7 @@ def _verdict(res: dict[str, Any], group_mean: str) -> list[str]:
     if "otb" not in est or group_mean not in est:
         return []
     stats = {n: res["per_n"][n]["stats"] for n in ns}
-    curve = {n: stats[n][group_mean]["rel_var"] for n in ns}
+    curve = {int(n): stats[n][group_mean]["rel_var"] for n in ns}  # int: JSON keys are strings ("16" < "4")
     verdict = []
     for n in ns:
         ratio = res["per_n"][n]["ratios"][ratio_name("otb", group_mean)][0]
@@ -245,9 +244,11 @@ def task_horizon(res: dict[str, Any]) -> dict[str, float]:
     return {k: sum(b[k] for b in blocks) / len(blocks) for k in keys}
 
 
-def report(res: dict[str, Any], group_mean: str, reference_group_size: int) -> str:
+def report(res: dict[str, Any], group_mean: str, reference_group_size: int,
+           verdict_rows: list[tuple[str, ...]]) -> str:  # fmt: skip
     """The page as markdown. group_mean: the estimator label OTB is set against; reference_group_size:
-    the N of the reference gradient's samples."""
+    the N of the reference gradient's samples; verdict_rows: the study's claims rows with their
+    verdicts (`variance_claims`, which reads this module's helpers: passed in, not imported)."""
     cfg, ns, sec = res["config"], list(res["per_n"]), res["seconds"]
     budget = f", token budget {res['budget']}" if "budget" in res else ""
     cv = "".join(
@@ -270,7 +271,7 @@ def report(res: dict[str, Any], group_mean: str, reference_group_size: int) -> s
         + ", ".join(f"N={n}: {res['per_n'][n]['length']:.1f}" for n in ns)
         + f"{cv}.",
         "",
-        *_headline(res, group_mean),
+        *_headline(res, group_mean, verdict_rows),
         "## Method",
         "",
         *_method(res, group_mean, reference_group_size),
