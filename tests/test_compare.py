@@ -314,3 +314,29 @@ def test_quick_settings_win_over_each_arms_own(tmp_path, name) -> None:
     for run in plan(quick, tmp_path):
         for key, value in forced.items():
             assert run.overrides[key] == value, (run.arm, key)
+
+
+def test_ladder_figure_has_a_column_per_rung_and_marks_events(monkeypatch, tmp_path) -> None:
+    """Every seed of every arm is drawn in its rung's column, with its collapse (x) and LR-decay (v)."""
+    from otbrl.app.studies import ladder
+
+    figures = []
+    monkeypatch.setattr(ladder, "save", lambda fig, path, **kw: figures.append(fig))
+
+    def run(seed, collapse=None, decays=()):  # noqa: ANN001, ANN202
+        steps = list(range(1, 21))
+        return {"seed": seed, "steps": steps, "smooth": [0.3] * 20, "length": [80.0] * 20,
+                "collapse": collapse, "decays": list(decays)}  # fmt: skip
+
+    runs = {"a@0.0001": [run(0), run(1)], "a@0.0004": [run(0, collapse=12), run(1)],
+            "b@0.0004": [run(0, decays=[7])]}  # fmt: skip
+    ladder.plot_ladder_runs(runs, tmp_path / "x.png", "t", "128 samples")
+    (fig,) = figures
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes[:2]] == ["learning rate 0.0001", "learning rate 0.0004"]
+    reward_top_right, length_bottom_right = axes[1], axes[3]
+    marks = lambda ax, m: [ln for ln in ax.lines if ln.get_marker() == m and len(ln.get_xdata()) == 1]  # noqa: E731
+    assert [ln.get_xdata()[0] for ln in marks(reward_top_right, "x")] == [12]
+    assert [ln.get_xdata()[0] for ln in marks(length_bottom_right, "v")] == [7]
+    # a's two seeds and its mean in the left reward panel; the mean is labelled with n
+    assert len(axes[0].lines) == 3 and axes[0].lines[-1].get_label() == "a (n=2)"

@@ -139,7 +139,13 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     results.mkdir(parents=True, exist_ok=True)
     run_minutes = sum(r["train_seconds"] for runs in result["runs"].values() for r in runs) / 60
     md, png = results / f"{exp.name}.md", results / f"{exp.name}.png"
-    plot_arms(result, png, f"{exp.name}: {exp.description}".strip(": "), _smoothing(exp))
+    title = f"{exp.name}: {exp.description}".strip(": ")
+    if exp.ladder:  # many arms of few seeds, each with its own learning rate: one column per rung
+        from otbrl.app.studies.ladder import plot_ladder_runs
+
+        plot_ladder_runs(result["runs"], png, title, _smoothing(exp))
+    else:
+        plot_arms(result, png, title, _smoothing(exp))
     base = load_recipe(exp.recipe, {**exp.common, **exp.forced})
     setting = ", ".join(
         f"{k} {base[k]}" for k in ("task", "model", "learning_rate", "lr_scheduler_type", "warmup_steps",

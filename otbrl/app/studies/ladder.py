@@ -9,6 +9,7 @@ import statistics
 from typing import Any
 
 from otbrl.app.studies.inference import NOT_TESTED, Interval, combine, paired, t_interval, verdict
+from otbrl.app.studies.plots import MARKERS, STYLES, pyplot, save
 from otbrl.app.studies.report import markdown_table
 
 
@@ -88,8 +89,6 @@ def ladder_table(arms: dict[str, Any]) -> str:
 
 def plot_ladder(arms: dict[str, Any], ax: Any) -> None:
     """Share of seeds collapsed against the learning rate, one line style and marker per estimator."""
-    from otbrl.app.studies.plots import MARKERS, STYLES
-
     for i, (base, rungs) in enumerate(cells(arms).items()):
         lrs = sorted(rungs)
         share = [statistics.fmean(float(c) for c in rungs[lr].values()) for lr in lrs]
@@ -99,3 +98,53 @@ def plot_ladder(arms: dict[str, Any], ax: Any) -> None:
     ax.set(xscale="log", xlabel="learning rate", ylabel="share of seeds collapsed", ylim=(-0.05, 1.05))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def plot_ladder_runs(runs: dict[str, list[dict[str, Any]]], png: Any, title: str, smoothing: str) -> None:
+    """The ladder's runs (`outcomes.analyse(...)["runs"]`), one column per rung: smoothed train reward and
+    mean completion length against step. Every seed is drawn (thin) under its arm's mean (thick): with a
+    few seeds a t band is wider than the data, and a collapse is one seed's event. Crosses: collapses;
+    triangles: LR-decay triggers. Each estimator keeps one colour, line style and marker in every column."""
+    import numpy as np
+
+    plt = pyplot()
+    rates = sorted({split(arm)[1] for arm in runs})
+    bases = list(dict.fromkeys(split(arm)[0] for arm in runs))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(2, len(rates), figsize=(4.6 * len(rates) + 1, 8), sharey="row", squeeze=False)
+    for arm, arm_runs in runs.items():
+        base, lr = split(arm)
+        i, col = bases.index(base), rates.index(lr)
+        style = {"color": colours[i % len(colours)], "ls": STYLES[i % len(STYLES)]}
+        for row, key in enumerate(("smooth", "length")):
+            ax = axes[row, col]
+            usable = [r for r in arm_runs if len(r["steps"]) > 1]
+            for r in usable:
+                ax.plot(r["steps"], r[key], lw=0.7, alpha=0.3, **style)
+                marks = r["decays"] if row else [r["collapse"]] if r["collapse"] is not None else []
+                for step in marks:
+                    ax.plot([step], [np.interp(step, r["steps"], r[key])], marker="v" if row else "x", ms=7,
+                            mew=2, ls="", color=style["color"])  # fmt: skip
+            if usable:
+                end = min(r["steps"][-1] for r in usable)
+                grid = np.arange(max(r["steps"][0] for r in usable), end + 1)
+                mean = np.mean([np.interp(grid, r["steps"], r[key]) for r in usable], axis=0)
+                ax.plot(grid, mean, lw=2, marker=MARKERS[i % len(MARKERS)], markevery=10, ms=5,
+                        label=f"{base} (n={len(usable)})", **style)  # fmt: skip
+    for col, lr in enumerate(rates):
+        axes[0, col].set_title(f"learning rate {lr:g}", fontsize=10)
+        axes[1, col].set_xlabel("step")
+        for ax in axes[:, col]:
+            ax.grid(True, alpha=0.3)
+    axes[0, 0].set_ylabel(f"train reward (centred mean over {smoothing})")
+    axes[1, 0].set_ylabel("mean completion length (tokens)")
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_legend_handles_labels()[0]}
+    labels = sorted(handles, key=lambda label: bases.index(label.split(" (")[0]))
+    fig.legend([handles[k] for k in labels], [k.split(" (")[0] for k in labels], loc="lower center",
+               ncol=min(len(labels), 6), fontsize=9)  # fmt: skip
+    import textwrap
+
+    fig.suptitle(textwrap.fill(title, int(13 * fig.get_figwidth())) + "\n(thick: mean over seeds; thin: each seed; x: collapse; "
+                 "v: LR-decay trigger)", fontsize=10)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
+    save(fig, png, dpi=100, tight=False)

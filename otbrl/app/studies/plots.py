@@ -12,7 +12,7 @@ import torch
 from otbrl.app.studies.runs import moving_average, read_metrics
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -21,17 +21,18 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: Path, dpi: int, **options: Any) -> None:
-    fig.tight_layout()
+def save(fig: Any, path: Path, dpi: int, tight: bool = True, **options: Any) -> None:
+    if tight:
+        fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi, **options)
-    _pyplot().close(fig)
+    pyplot().close(fig)
 
 
 def plot_curves(metrics: Path, png: Path, title: str = "") -> None:
     """One run: train reward (per step and a trailing 10-step mean) and gradient norm, against generated
     tokens; red lines where a gradient-norm surge was flagged."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = read_metrics(metrics)
     rewarded = [r for r in rows if "reward" in r]
     tokens = [r["generated_tokens"] for r in rewarded]
@@ -49,16 +50,16 @@ def plot_curves(metrics: Path, png: Path, title: str = "") -> None:
         bottom.axvline(x, color="red", alpha=0.3)
     bottom.set_ylabel("gradient norm" + (" (red: surge)" if surges else ""))
     bottom.set_xlabel("generated tokens")
-    _save(fig, png, dpi=110)
+    save(fig, png, dpi=110)
 
 
 def plot_figure(draw: Any, png: Path, title: str) -> None:
     """One panel drawn by `draw(ax)`, saved to `png`."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     draw(ax)
     ax.set_title(title, fontsize=10)
-    _save(fig, png, dpi=100)
+    save(fig, png, dpi=100)
 
 
 STYLES = ["-", "--", "-.", ":"]
@@ -105,7 +106,7 @@ def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> 
     import numpy as np
     from scipy import stats
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     (reward_ax, heldout_ax), (length_ax, norm_ax) = axes
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -145,7 +146,7 @@ def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> 
     import textwrap
 
     fig.suptitle(textwrap.fill(title, 150) + "\n(lines: mean over seeds; bands: 95% t interval)", fontsize=10)
-    _save(fig, png, dpi=100)
+    save(fig, png, dpi=100)
 
 
 # Estimators whose curves coincide (dr_grpo and rloo have equal noise-to-signal; grpo and opo lie close)
@@ -212,7 +213,7 @@ def plot_variance(res: dict[str, Any], path: Path) -> None:
     """The variance study (`variance.run_study` result): noise-to-signal (with 95% intervals) and relative
     variance against N per estimator, and, when exact norms were measured, proxy against exact energy per
     token and per sequence."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = 2 if res["scatter"] else 1
     fig, axes = plt.subplots(rows, 2, figsize=(11, 4.6 * rows), squeeze=False)
     _estimator_panel(axes[0, 0], res, "nsr")
@@ -222,4 +223,4 @@ def plot_variance(res: dict[str, Any], path: Path) -> None:
     levels = (("token", "token w_t"), ("sequence", "sequence W_T"))
     for ax, (key, label) in zip(axes[1] if res["scatter"] else [], levels, strict=False):
         _scatter_panel(ax, *res["scatter"][key], label, res["correlations"][key])
-    _save(fig, path, dpi=110, bbox_inches="tight")
+    save(fig, path, dpi=110, bbox_inches="tight")
