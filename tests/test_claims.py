@@ -68,14 +68,14 @@ def _ladder_arm(collapses: list, seeds=(0, 1), decays=None) -> dict:  # noqa: AN
             "decays": decays or [[] for _ in seeds]}  # fmt: skip
 
 
-def _ladder(otb: list[list], mean: list[list], decay: list | None = None, fired: bool = True) -> dict:
+def _ladder(otb: list[list], mean: list[list], decay: list | None = None, fired: bool | list = True) -> dict:
     arms = {}
     for lr, o, m in zip((1e-4, 2e-4, 4e-4), otb, mean, strict=True):
         arms[f"otb-N4@{lr:g}"] = _ladder_arm(o)
         arms[f"dr_grpo-N4@{lr:g}"] = _ladder_arm(m)
         arms[f"grpo-N4@{lr:g}"] = _ladder_arm(m)
     if decay is not None:
-        triggers = [[5], []] if fired else [[], []]
+        triggers = fired if isinstance(fired, list) else [[5], []] if fired else [[], []]
         arms["dr_grpo-N4-length_decay@0.0004"] = _ladder_arm(decay, decays=triggers)
         arms["otb-N4-length_decay@0.0004"] = _ladder_arm(decay, decays=triggers)
     return {"arms": arms}
@@ -102,6 +102,14 @@ def test_lr_decay_row() -> None:
     assert lr_decay_row(silent)[2].startswith("**not tested**")
     same = _ladder(falls, falls, decay=[8, 9])
     assert lr_decay_row(same)[2].startswith("**inconclusive**")
+    assert "1 LR-decay triggers, in 1 of the 2 runs whose base collapsed before that collapse" in (
+        lr_decay_row(same)[1]
+    )
+    late = _ladder(falls, falls, decay=[8, 9], fired=[[8], [12]])  # at / after the base's collapse (8, 9)
+    row = lr_decay_row(late)
+    assert "2 LR-decay triggers, in 1 of the 2 runs" in row[1]  # step 8 is still in time; step 12 is not
+    too_late = _ladder(falls, falls, decay=[8, 9], fired=[[9], [12]])
+    assert lr_decay_row(too_late)[2].startswith("**not tested**")
 
 
 def test_write_claims_reports_what_is_missing(tmp_path) -> None:

@@ -143,7 +143,8 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     if exp.ladder:  # many arms of few seeds, each with its own learning rate: one column per rung
         from otbrl.app.studies.ladder import plot_ladder_runs
 
-        plot_ladder_runs(result["runs"], png, title, _smoothing(exp))
+        decay = exp.roles.get("lr_decay") or {}
+        plot_ladder_runs(result["runs"], png, title, _smoothing(exp), variants=decay.values())
     else:
         plot_arms(result, png, title, _smoothing(exp))
     base = load_recipe(exp.recipe, {**exp.common, **exp.forced})

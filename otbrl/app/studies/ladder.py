@@ -100,31 +100,39 @@ def plot_ladder(arms: dict[str, Any], ax: Any) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_ladder_runs(runs: dict[str, list[dict[str, Any]]], png: Any, title: str, smoothing: str) -> None:
+def plot_ladder_runs(runs: dict[str, list[dict[str, Any]]], png: Any, title: str, smoothing: str,
+                     variants: Any = ()) -> None:  # fmt: skip
     """The ladder's runs (`outcomes.analyse(...)["runs"]`), one column per rung: smoothed train reward and
-    mean completion length against step. Every seed is drawn (thin) under its arm's mean (thick): with a
-    few seeds a t band is wider than the data, and a collapse is one seed's event. Crosses: collapses;
-    triangles: LR-decay triggers. Each estimator keeps one colour, line style and marker in every column."""
+    mean completion length against step; the arms named in `variants` (the LR-decay variants: they run
+    exactly as their base arm until a trigger, so drawn beside it they would hide it) get a third row of
+    their own. Every seed is drawn (thin) under its arm's mean (thick): with a few seeds a t band is
+    wider than the data, and a collapse is one seed's event. Crosses: collapses; triangles: LR-decay
+    triggers. Each arm keeps one colour, line style and marker in every column."""
     import numpy as np
 
     plt = pyplot()
     rates = sorted({split(arm)[1] for arm in runs})
     bases = list(dict.fromkeys(split(arm)[0] for arm in runs))
+    variants = set(variants) & set(bases)
+    n_rows = 3 if variants else 2
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, axes = plt.subplots(2, len(rates), figsize=(4.6 * len(rates) + 1, 8), sharey="row", squeeze=False)
+    fig, axes = plt.subplots(n_rows, len(rates), figsize=(4.6 * len(rates) + 1, 4 * n_rows), sharey="row",
+                             squeeze=False)  # fmt: skip
     for arm, arm_runs in runs.items():
         base, lr = split(arm)
         i, col = bases.index(base), rates.index(lr)
         style = {"color": colours[i % len(colours)], "ls": STYLES[i % len(STYLES)]}
-        for row, key in enumerate(("smooth", "length")):
+        panels = [(2, "smooth", "xv")] if base in variants else [(0, "smooth", "x"), (1, "length", "v")]
+        usable = [r for r in arm_runs if len(r["steps"]) > 1]
+        for row, key, kinds in panels:
             ax = axes[row, col]
-            usable = [r for r in arm_runs if len(r["steps"]) > 1]
             for r in usable:
                 ax.plot(r["steps"], r[key], lw=0.7, alpha=0.3, **style)
-                marks = r["decays"] if row else [r["collapse"]] if r["collapse"] is not None else []
-                for step in marks:
-                    ax.plot([step], [np.interp(step, r["steps"], r[key])], marker="v" if row else "x", ms=7,
-                            mew=2, ls="", color=style["color"])  # fmt: skip
+                marks = [("x", r["collapse"])] if "x" in kinds and r["collapse"] is not None else []
+                marks += [("v", step) for step in r["decays"]] if "v" in kinds else []
+                for marker, step in marks:
+                    ax.plot([step], [np.interp(step, r["steps"], r[key])], marker=marker, ms=7, mew=2, ls="",
+                            color=style["color"])  # fmt: skip
             if usable:
                 end = min(r["steps"][-1] for r in usable)
                 grid = np.arange(max(r["steps"][0] for r in usable), end + 1)
@@ -133,18 +141,23 @@ def plot_ladder_runs(runs: dict[str, list[dict[str, Any]]], png: Any, title: str
                         label=f"{base} (n={len(usable)})", **style)  # fmt: skip
     for col, lr in enumerate(rates):
         axes[0, col].set_title(f"learning rate {lr:g}", fontsize=10)
-        axes[1, col].set_xlabel("step")
+        axes[-1, col].set_xlabel("step")
         for ax in axes[:, col]:
             ax.grid(True, alpha=0.3)
+        if variants and not axes[2, col].lines:
+            ax = axes[2, col]
+            ax.text(0.5, 0.5, "no LR-decay arm at this rung", ha="center", transform=ax.transAxes)
     axes[0, 0].set_ylabel(f"train reward (centred mean over {smoothing})")
     axes[1, 0].set_ylabel("mean completion length (tokens)")
-    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_legend_handles_labels()[0]}
+    if variants:
+        axes[2, 0].set_ylabel(f"with LR decay: train reward\n(centred mean over {smoothing})")
+    handles = {h.get_label(): h for ax in axes.flat for h in ax.get_legend_handles_labels()[0]}
     labels = sorted(handles, key=lambda label: bases.index(label.split(" (")[0]))
     fig.legend([handles[k] for k in labels], [k.split(" (")[0] for k in labels], loc="lower center",
-               ncol=min(len(labels), 6), fontsize=9)  # fmt: skip
+               ncol=min(len(labels), 7), fontsize=9)  # fmt: skip
     import textwrap
 
-    fig.suptitle(textwrap.fill(title, int(13 * fig.get_figwidth())) + "\n(thick: mean over seeds; thin: each seed; x: collapse; "
-                 "v: LR-decay trigger)", fontsize=10)  # fmt: skip
-    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
+    legend = "(thick: mean over seeds; thin: each seed; x: collapse; v: LR-decay trigger)"
+    fig.suptitle(textwrap.fill(title, int(13 * fig.get_figwidth())) + "\n" + legend, fontsize=10)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
     save(fig, png, dpi=100, tight=False)

@@ -11,7 +11,7 @@ from typing import Any
 
 from otbrl.app.studies.experiment import arm_names, load_experiment
 from otbrl.app.studies.inference import NOT_TESTED, Interval, combine, rule, t_interval, verdict
-from otbrl.app.studies.ladder import cells, critical_lr, stability_verdict
+from otbrl.app.studies.ladder import cells, critical_lr, split, stability_verdict
 
 Row = tuple[str, str, str, str]  # claim, measurement, verdict, command
 
@@ -103,32 +103,45 @@ def stability_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
 
 def lr_decay_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
     """Role `lr_decay`: base arm -> its length-triggered decay variant, compared at the variant's rungs:
-    collapse indicators paired by (rung, seed), base minus variant. Not tested where the trigger never
-    fired or the base arm never collapsed there."""
+    collapse indicators paired by (rung, seed), base minus variant. Not tested unless the trigger fired
+    in time somewhere: at or before the step where the base arm of the same seed and rung collapsed (a
+    variant runs exactly as its base until its first trigger, so a later trigger cannot change whether
+    it collapses)."""
     exp = load_experiment(experiment)
     arms = res["arms"]
     table = cells(arms)
+    collapse_at = {(b, lr, seed): c for arm, a in arms.items() for (b, lr) in [split(arm)]
+                   for seed, c in zip(a["seed_list"], a["collapses"], strict=True)}  # fmt: skip
     parts, verdicts = [], []
     for base, variant in exp.role("lr_decay").items():
         if not isinstance(variant, str):
             raise ValueError(f"experiment {exp.name}: roles: lr_decay: {base} must name one arm")
         mine = table.get(variant, {})
-        fired = sum(len(d) for arm, a in arms.items() if arm.startswith(variant + "@") for d in a["decays"])
+        fired = in_time = 0
+        for arm, a in arms.items():
+            name, lr = split(arm)
+            if name != variant:
+                continue
+            for seed, steps in zip(a["seed_list"], a["decays"], strict=True):
+                fired += len(steps)
+                c = collapse_at.get((base, lr, seed))
+                in_time += any(c is not None and step <= c for step in steps)
         diffs = []
         for lr, seeds in sorted(mine.items()):
             theirs = table.get(base, {}).get(lr, {})
             diffs += [float(theirs[s]) - float(c) for s, c in seeds.items() if s in theirs]
             parts.append(f"{base} collapsed {sum(theirs.values())}/{len(theirs)} @ {lr:g}, with the decay "
                          f"{sum(seeds.values())}/{len(seeds)}")  # fmt: skip
-        parts.append(f"{variant}: {fired} LR-decay triggers")
         base_collapsed = sum(sum(table.get(base, {}).get(lr, {}).values()) for lr in mine)
+        parts.append(f"{variant}: {fired} LR-decay triggers, in {in_time} of the {base_collapsed} runs whose "
+                     "base collapsed before that collapse")  # fmt: skip
         ci = t_interval(diffs, exp.confidence)
-        verdicts.append(NOT_TESTED if fired == 0 or base_collapsed == 0 else verdict("better", ci))
+        verdicts.append(NOT_TESTED if in_time == 0 or base_collapsed == 0 else verdict("better", ci))
     return (
         "(companion paper, arXiv 2602.01826) Decaying the LR on a response-length surge prevents collapse.",
         f"{exp.recipe}, learning-rate ladder: " + "; ".join(parts) + ".",
         f"**{combine(verdicts)}** (rule: collapse indicators paired by seed at the same rung, base minus "
-        f"decay, {rule('better', 0.0, exp.confidence)}; not tested where the trigger never fired or the "
-        "base arm never collapsed)",
+        f"decay, {rule('better', 0.0, exp.confidence)}; not tested where the trigger never fired before "
+        "the base arm's collapse of the same seed and rung, or the base arm never collapsed)",
         f"`otbrl compare {experiment}`",
     )
