@@ -80,7 +80,10 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         "",
         markdown_table(["claim", "measured", "verdict", "command"], rows, aligned=False),
         "",
-        "Details: " + ", ".join(f"[{n}.md]({n}.md)" for n in STUDIES if _load(results, n) is not None) + ".",
+        "Details: " + ", ".join(f"[{n}.md]({n}.md)" for n in STUDIES if _load(results, n) is not None) + "."
+        + (" When the length-surge detector would have fired relative to the ladder's collapses (a replay "
+           "on the base runs' lengths): [decay_timing.md](decay_timing.md)."
+           if (results / "decay_timing.md").is_file() else ""),
         "",
         "Withdrawn: round 1's `efficiency`, `efficiency48` and `stress` experiments (fixed-length answers, "
         "one learning rate for every arm, unequal step budgets, 3 seeds, no intervals; see issue 16). "
