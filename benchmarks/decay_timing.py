@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,16 @@ def first_trigger(lengths: list[float], settings: dict[str, Any]) -> int | None:
 
 
 def detector_settings(exp: Any, variant: str) -> dict[str, Any]:
-    """The LengthSurgeDecay arguments a decay arm of the experiment ran with (length_decay_<name> keys)."""
+    """The LengthSurgeDecay arguments a decay arm of the experiment trained with: its length_decay_* keys
+    over the trainer config's defaults, read the way the trainer reads them."""
+    from otbrl.integrations.trl.config import OTBGRPOConfig
+
     own = next(options for arm, options in exp.arms.items() if split(arm)[0] == variant)
-    return {k.removeprefix("length_decay_"): v for k, v in own.items()
-            if k.startswith("length_decay_") and k != "length_decay_on_grad_surge"}  # fmt: skip
+    keys = {k: v for k, v in {**exp.common, **own}.items() if k.startswith("length_decay")}
+    with tempfile.TemporaryDirectory() as tmp:
+        options = OTBGRPOConfig(output_dir=tmp, use_cpu=True, report_to=[], **keys).length_decay_options()
+    options.pop("on_grad_surge")  # the replay sees lengths only
+    return options
 
 
 def timing(runs: dict[str, list[dict[str, Any]]], settings: dict[str, Any]) -> dict[str, Any]:

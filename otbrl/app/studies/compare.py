@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from otbrl.app.studies.experiment import Experiment, experiment_names, load_experiment, pilot_plan, plan
+from otbrl.app.studies.ladder import ladder_table, plot_ladder, plot_ladder_runs
 from otbrl.app.studies.outcomes import SURGE_HISTORY, SURGE_SMOOTH, analyse
 from otbrl.app.studies.outcomes import interval_json as _interval
 from otbrl.app.studies.plots import plot_arms, plot_figure
@@ -141,8 +142,6 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     md, png = results / f"{exp.name}.md", results / f"{exp.name}.png"
     title = f"{exp.name}: {exp.description}".strip(": ")
     if exp.ladder:  # many arms of few seeds, each with its own learning rate: one column per rung
-        from otbrl.app.studies.ladder import plot_ladder_runs
-
         decay = exp.roles.get("lr_decay") or {}
         plot_ladder_runs(result["runs"], png, title, _smoothing(exp), variants=decay.values())
     else:
@@ -171,8 +170,6 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
         table(exp, result),
     ]  # fmt: skip
     if exp.ladder:
-        from otbrl.app.studies.ladder import ladder_table, plot_ladder
-
         fig_path = results / f"{exp.name}-collapse.png"
         title = f"{exp.name}: collapse against learning rate"
         plot_figure(lambda ax: plot_ladder(result["arms"], ax), fig_path, title)

@@ -25,19 +25,28 @@ def _k(tokens: float) -> str:
     return f"{tokens / 1000:g}k"
 
 
+def horizon_text(h: dict[str, float]) -> str:
+    """'within-group length CV 0.53, energy CV 1.10, energy–reward correlation -0.31, reward spread in 92% of
+    groups' from the keys of `stability.group_horizons` (without their prefix) that `h` has."""
+    labels = (("length_cv", "within-group length CV"), ("energy_cv", "energy CV"),
+              ("energy_reward_corr", "energy–reward correlation"))  # fmt: skip
+    parts = [f"{label} {h[key]:.2f}" for key, label in labels if key in h]
+    if "reward_spread" in h:
+        parts.append(f"reward spread in {h['reward_spread']:.0%} of groups")
+    return ", ".join(parts)
+
+
 def horizon(res: dict[str, Any], task: str) -> str:
-    """'walk: within-group length CV 0.53, energy CV 1.1, reward spread in 92% of groups' from the runs'
-    first steps (every arm of every seed)."""
-    parts = []
-    for key, label in (("length_cv_start", "within-group length CV"), ("energy_cv_start", "energy CV"),
-                       ("energy_reward_corr_start", "energy–reward correlation")):  # fmt: skip
-        values = [v for a in res["arms"].values() for v in a.get(key, []) if v is not None and v == v]
+    """'walk (within-group length CV 0.53, ..., over the runs' first 10 steps)' from the runs' first steps
+    (every arm of every seed)."""
+    h = {}
+    for key in ("length_cv", "energy_cv", "energy_reward_corr", "reward_spread"):
+        runs = [v for a in res["arms"].values() for v in a.get(f"{key}_start", [])]
+        values = [v for v in runs if v is not None and v == v]  # NaN: a run without the metric
         if values:
-            parts.append(f"{label} {statistics.fmean(values):.2f}")
-    spread = [v for a in res["arms"].values() for v in a.get("reward_spread_start", []) if v == v]
-    if spread:
-        parts.append(f"reward spread in {statistics.fmean(spread):.0%} of groups")
-    return f"{task}" + (f" ({', '.join(parts)}, over the runs' first 10 steps)" if parts else "")
+            h[key] = statistics.fmean(values)
+    text = horizon_text(h)
+    return f"{task}" + (f" ({text}, over the runs' first 10 steps)" if text else "")
 
 
 def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from otbrl.app.studies.inference import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTED
-from otbrl.app.studies.training_claims import Row
+from otbrl.app.studies.training_claims import Row, horizon_text
 from otbrl.app.studies.variance_report import command, ratio_name, task_horizon
 
 GROUP_MEAN = "dr_grpo"  # A = R - group mean: the baseline OTB generalises, what claim (a) sets it against
@@ -47,12 +47,8 @@ def task_label(res: dict[str, Any]) -> str:
     """The task, with how its samples differ inside a group as measured in the study's own samples
     (within-group length and energy CV, energy–reward correlation, share of groups with a reward spread)."""
     task = res.get("config", {}).get("task", "?")
-    h = task_horizon(res)
-    parts = [f"{label} {h[key]:.2f}" for key, label in (("length_cv", "within-group length CV"),
-             ("energy_cv", "energy CV"), ("energy_reward_corr", "energy–reward correlation")) if key in h]
-    if "reward_spread" in h:
-        parts.append(f"reward spread in {h['reward_spread']:.0%} of groups")
-    return f"{task} ({', '.join(parts)} in the study's samples)" if parts else task
+    text = horizon_text(task_horizon(res))
+    return f"{task} ({text} in the study's samples)" if text else task
 
 
 def _command(res: dict[str, Any]) -> str:
