@@ -78,9 +78,11 @@ def load_rows(recipe: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     if recipe["task"] and recipe["dataset"]:
         raise ValueError("dataset: give either task or dataset, not both")
     if recipe["task"]:
+        # Two sides of the task's hash split: no held-out prompt can be drawn for training.
         seed = recipe["seed"]
-        return dataset(recipe["task"], recipe["train_size"], seed), dataset(
-            recipe["task"], recipe["eval_size"], seed + 1
+        return (
+            dataset(recipe["task"], recipe["train_size"], seed, split="train"),
+            dataset(recipe["task"], recipe["eval_size"], seed + 1, split="heldout"),
         )
     if not recipe["dataset"]:
         raise ValueError("task: a recipe needs a built-in task or a dataset")

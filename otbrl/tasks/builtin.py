@@ -12,6 +12,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from otbrl.tasks.split import Split, draw
 from otbrl.tasks.tokenizer import EOS
 
 
@@ -35,6 +36,8 @@ class Task:
     tools: tuple[str, ...] = ()
     max_turns: int = 0
     demonstrate: Callable[[str, str, random.Random], list[tuple[str, bool]]] | None = None
+    # The share of the prompt space held out from training (`otbrl.tasks.split`): `dataset(split=...)`.
+    heldout_fraction: float = 0.25
 
     def score(self, prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
         """Rewards of a batch, in the form `otbrl.rollout.evaluate` takes."""
@@ -270,12 +273,17 @@ def get_task(task: str | Task) -> Task:
     return TASKS[task]
 
 
-def dataset(task: str | Task, n: int, seed: int = 0) -> list[dict[str, str]]:
-    """`n` rows `{"prompt": ..., "answer": ...}`, the same for the same (task name, n, seed)."""
+def dataset(task: str | Task, n: int, seed: int = 0, split: Split | None = None) -> list[dict[str, str]]:
+    """`n` rows `{"prompt": ..., "answer": ...}`, the same for the same (task name, n, seed, split).
+
+    `split="train"` or `"heldout"` draws only from that side of the task's hash split of its prompt space
+    (`otbrl.tasks.split`, `task.heldout_fraction` held out), so the two never share a prompt; None draws
+    from the whole space."""
     task = get_task(task)
     rng = random.Random(f"{task.name}:{seed}")  # str seeds are hashed with sha512: stable across runs
+    make = lambda: task.make(rng)  # noqa: E731
     rows = []
     for _ in range(n):
-        prompt, answer = task.make(rng)
+        prompt, answer = make() if split is None else draw(make, split, task.heldout_fraction, task.name)
         rows.append({"prompt": prompt, "answer": answer})
     return rows

@@ -25,7 +25,11 @@ def held_out(prompt: str, fraction: float, salt: str = "otbrl") -> bool:
 
 
 def draw(
-    make: Callable[[], tuple[str, str]], split: Split, fraction: float, salt: str = "otbrl", tries: int = 10_000
+    make: Callable[[], tuple[str, str]],
+    split: Split,
+    fraction: float,
+    salt: str = "otbrl",
+    tries: int = 10_000,
 ) -> tuple[str, str]:
     """One (prompt, answer) from `make` that lies on `split`'s side: rejection sampling, so the draw keeps
     `make`'s distribution restricted to that side."""
