@@ -48,3 +48,12 @@ def test_bad_split_and_empty_side_are_clear_errors():
     assert draw(lambda: ("only", "1"), side, 0.5) == ("only", "1")
     with pytest.raises(RuntimeError, match="no .* prompt"):
         draw(lambda: ("only", "1"), other, 0.5, tries=50)
+
+
+def test_heldout_rows_are_distinct_and_a_too_small_side_is_refused():
+    rows = dataset("walk", 1024, seed=1, split="heldout")  # walk: 3,444 prompts, 1,142 held out
+    assert len({r["prompt"] for r in rows}) == 1024
+    train = {r["prompt"] for r in dataset("walk", 4096, seed=0, split="train")}
+    assert not train & {r["prompt"] for r in rows}
+    with pytest.raises(ValueError, match="distinct held-out prompts"):
+        dataset("walk", 1200, seed=1, split="heldout")

@@ -259,6 +259,9 @@ TASKS: dict[str, Task] = {
             make=make_walk,
             reward=walk_reward,
             demonstrate=demonstrate_walk,
+            # 3,444 prompts in all: 1,142 held out, so an evaluation can score 1,024 distinct held-out
+            # prompts (0.25 would leave 900)
+            heldout_fraction=0.32,
         ),
     )
 }
@@ -278,12 +281,24 @@ def dataset(task: str | Task, n: int, seed: int = 0, split: Split | None = None)
 
     `split="train"` or `"heldout"` draws only from that side of the task's hash split of its prompt space
     (`otbrl.tasks.split`, `task.heldout_fraction` held out), so the two never share a prompt; None draws
-    from the whole space."""
+    from the whole space. Held-out rows are `n` distinct prompts (an evaluation of n prompts scores n
+    prompts, not repeats); a held-out side smaller than `n` is a `ValueError`. Training rows repeat freely."""
     task = get_task(task)
     rng = random.Random(f"{task.name}:{seed}")  # str seeds are hashed with sha512: stable across runs
     make = lambda: task.make(rng)  # noqa: E731
-    rows = []
-    for _ in range(n):
+    rows: list[dict[str, str]] = []
+    seen: set[str] = set()
+    misses = 0
+    while len(rows) < n:
         prompt, answer = make() if split is None else draw(make, split, task.heldout_fraction, task.name)
+        if split == "heldout" and prompt in seen:
+            misses += 1
+            if misses > 50 * n + 10_000:  # coupon collecting the last prompts of a side takes ~ln(size) x
+                raise ValueError(
+                    f"eval_size: {n} distinct held-out prompts asked of task {task.name}, but its held-out "
+                    f"side (heldout_fraction {task.heldout_fraction}) gave only {len(rows)}"
+                )
+            continue
+        seen.add(prompt)
         rows.append({"prompt": prompt, "answer": answer})
     return rows
