@@ -310,12 +310,38 @@ def _rows_energy(
     return head_energy(head, transform, predicting(hidden, n), y, temperature)
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _head_precision(head: torch.nn.Module, param: torch.Tensor, ran_in: torch.dtype) -> Any:
+    """A context that runs otbrl's rebuild of the head in the precision the model's own forward ran it:
+    under autocast to `ran_in` when the head's output came out in half precision from full-precision
+    weights (TRL's bf16=True wraps the model's forward in autocast; a caller's own autocast counts too),
+    as it was otherwise."""
+    if ran_in in HALF and param.dtype not in HALF:
+        return torch.autocast(param.device.type, dtype=ran_in)
+    return nullcontext()
+
+
+def _rebuilt_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """head(hidden) as otbrl computes it in `head_energy`: a plain linear head from its whole weight, any
+    other head called as a module."""
+    if not _is_plain_linear(head):
+        return head(hidden)
+    with full_head(head) as (weight, bias):
+        return F.linear(hidden.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
+
+
 @torch.no_grad()
-def check_head(model: Any, length: int = 8) -> None:
-    """Raise a ValueError naming the model's class when the logits otbrl rebuilds from the final hidden
-    states (`head_transform` of `head(hidden)`) differ from the model's own logits, e.g. for a family
-    whose head does something otbrl does not know. One short forward; every rank must call it together
-    when the model is sharded. The tolerance follows the head's precision (1e-4 relative in float32)."""
+def check_head(model: Any, length: int = 8) -> HeadTransform:
+    """The model's head transform (`head_transform`), once verified: a ValueError naming the model's class
+    when the logits otbrl rebuilds from the final hidden states (`head_transform` of `head(hidden)`)
+    differ from the model's own logits, e.g. for a family whose head does something otbrl does not know.
+    One short forward; every rank must call it together when the model is sharded.
+
+    The rebuild runs in the precision the model's head actually ran in, autocast included (bf16 autocast
+    over float32 weights gives bf16 logits), and the tolerance follows it: 1e-4 relative in float32, 2e-2
+    in bf16 or fp16."""
     base = base_model(model)
     head = base.get_output_embeddings()
     transform = head_transform(base)
@@ -323,27 +349,42 @@ def check_head(model: Any, length: int = 8) -> None:
     device = param.device if param.device.type != "meta" else torch.device("cpu")
     vocab = int(base.config.get_text_config().vocab_size)
     ids = (torch.arange(length, device=device) * 7919 % vocab)[None, :]
+    ran: list[Any] = []  # the dtype of the head's output in the model's own forward
+
+    def record(module: torch.nn.Module, args: Any, output: Any) -> None:
+        ran.append(getattr(output, "dtype", None))
+
+    handle = head.register_forward_hook(record)
     was_training = model.training
     model.eval()
     try:
         hidden, out = final_hidden(model, ids, torch.ones_like(ids), logits_to_keep=0)
-        if _is_plain_linear(head):
-            with full_head(head) as (weight, bias):
-                ours = transform(
-                    F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
-                )
-        else:
-            ours = transform(head(hidden).float())
+        handle.remove()
+        ran_in = ran[0] if ran and ran[0] is not None else out.logits.dtype
+        with _head_precision(head, param, ran_in):
+            ours = transform(_rebuilt_logits(head, hidden).float())
     finally:
+        handle.remove()
         model.train(was_training)
     theirs = out.logits.float()
-    half = (torch.float16, torch.bfloat16)
-    low_precision = param.dtype in half or hidden.dtype in half
-    tol = 2e-2 if low_precision else 1e-4
-    error = (ours - theirs).abs().max().item() / max(1.0, theirs.abs().max().item())
+    _compare(base, transform, ours, theirs, 2e-2 if ran_in in HALF or param.dtype in HALF else 1e-4)
+    return transform
+
+
+def _compare(
+    base: Any, transform: HeadTransform, ours: torch.Tensor, theirs: torch.Tensor, tol: float
+) -> None:
+    """Refuse the model, naming it and the way out, when its logits are not otbrl's rebuild of them."""
+    why = f"{transform}"
+    if ours.shape != theirs.shape:  # e.g. a head that slices the vocabulary after the projection
+        why += f"; its logits have shape {tuple(theirs.shape)}, the rebuilt ones {tuple(ours.shape)}"
+        error = math.inf
+    else:
+        error = (ours - theirs).abs().max().item() / max(1.0, theirs.abs().max().item())
+        why += f", relative error {error:.2g} > {tol:g}"
     if not error <= tol:  # also catches NaN
         raise ValueError(
             f"model: {type(base).__name__}'s logits are not what otbrl rebuilds from its hidden states and "
-            f"output head ({transform}, relative error {error:.2g} > {tol:g}): its head does something otbrl "
-            f"does not recognise, so its energy would come from a different distribution; {WAY_OUT}"
+            f"output head ({why}): its head does something otbrl does not recognise, so its energy would "
+            f"come from a different distribution; {WAY_OUT}"
         )

@@ -358,3 +358,76 @@ def test_energy_forward_runs_without_dropout():
     got = completion_energy(model, ids, attention, 5, TEMPERATURE)
     assert model.training
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the head check in the precision the model ran in (issue 21: bf16=True refused a plain Llama)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _half_supported(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs a matmul under autocast to `dtype`."""
+    try:
+        with torch.autocast("cpu", dtype=dtype):
+            return (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _autocast_forward(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The model's forward wrapped in autocast, as accelerate wraps it for TRL's bf16=True / fp16=True
+    (mixed precision over float32 weights); its logits come back in float32, as accelerate returns them."""
+    forward = model.forward
+
+    def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with torch.autocast("cpu", dtype=dtype):
+            out = forward(*args, **kwargs)
+        out.logits = out.logits.float()
+        return out
+
+    model.forward = wrapped
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wrapped", [True, False], ids=["forward_autocast", "caller_autocast"])
+def test_float32_model_under_autocast_passes_the_head_check(dtype, wrapped):
+    """A float32 tiny Llama run under bf16 (TRL's default) or fp16 autocast has a standard head: its logits
+    are bf16-rounded, and a float32 rebuild compared at float32's tolerance refused it (relative error
+    ~1e-3 here, 0.0059 on SmolLM2-135M). A head that is really unusual is still refused."""
+    if not _half_supported(dtype):
+        pytest.skip(f"this CPU has no {dtype} autocast")
+    torch.manual_seed(0)
+    model = family_model("llama")
+    scaled = ScaledQwen2(transformers.Qwen2Config(**COMMON)).eval()
+    if wrapped:
+        _autocast_forward(model, dtype)
+        _autocast_forward(scaled, dtype)
+        assert check_head(model) == HeadTransform()
+        with pytest.raises(ValueError, match="ScaledQwen2.*energy_from_logits"):
+            check_head(scaled)
+    else:
+        with torch.autocast("cpu", dtype=dtype):
+            assert check_head(model) == HeadTransform()
+            with pytest.raises(ValueError, match="ScaledQwen2.*energy_from_logits"):
+                check_head(scaled)
+
+
+def test_half_precision_tolerance_still_refuses_a_small_change():
+    """Under bf16 autocast the tolerance widens to 2e-2 of the largest logit: a head scaled by 1.1 (a 10%
+    change, e.g. an unread logit multiplier) is still refused."""
+    if not _half_supported(torch.bfloat16):
+        pytest.skip("this CPU has no bf16 autocast")
+
+    class Slightly(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 1.1
+            return out
+
+    torch.manual_seed(0)
+    model = _autocast_forward(Slightly(transformers.LlamaConfig(**COMMON)).eval(), torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(SHARPEN)
+    with pytest.raises(ValueError, match="Slightly.*relative error"):
+        check_head(model)

@@ -327,3 +327,30 @@ def test_vision_inputs_are_refused_on_the_forward_path():
     out = {"pixel_values": torch.zeros(1, 3, 4, 4), "completion_ids": torch.zeros(1, 2, dtype=torch.long)}
     with pytest.raises(ValueError, match=r"vision inputs \(pixel_values\).*num_iterations > 1"):
         OTBGRPOTrainer._batch_energy(trainer, out, torch.ones(1, 2))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bf16=True (TRL's default) with float32 weights: the head check compares in the precision the model ran in
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_bf16_autocast_over_float32_weights_trains(tmp_path, num_iterations):
+    """bf16=True wraps the model's forward in bf16 autocast; a plain float32 Llama was refused at its first
+    step ("relative error 0.0059 > 0.0001" on SmolLM2-135M). Its energy is that of its bf16-autocast
+    logits: within bf16 rounding of the float32 reference."""
+    from tests.test_lm import _half_supported
+
+    if not _half_supported(torch.bfloat16):
+        pytest.skip("this CPU has no bf16 autocast")
+    args = make_config(
+        tmp_path, max_steps=1, bf16=True, num_iterations=num_iterations, temperature=TEMPERATURE,
+        max_completion_length=6,
+    )  # fmt: skip
+    trainer = make_trainer(args, model=family_model("llama", sharpen=3.0), cls=EnergyProbe, n_prompts=8)
+    trainer.train()
+    (record,) = trainer.records
+    assert record["source"] == ("old_logps" if num_iterations == 2 else "forward")
+    policy = record["out"]["completion_mask"].bool()
+    assert policy.any() and torch.isfinite(record["energy"]).all()
+    torch.testing.assert_close(record["energy"].double(), record["reference"], rtol=0.1, atol=2e-2)
