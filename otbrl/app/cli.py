@@ -101,6 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     comp.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (default 2)")
     comp.add_argument("--runs-dir", type=Path, help="where runs go (default runs/compare[-quick]/NAME)")
     comp.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
+    comp.add_argument(
+        "--amend",
+        metavar="REASON",
+        help="go on although the protocol changed since its first run started: the change and REASON are "
+        "recorded (claims.md lists them)",
+    )
     claims = sub.add_parser("claims", help="write claims.md from the studies' results (verdicts by rule)")
     claims.add_argument(
         "--results", type=Path, default=Path("docs/results"), help="where the studies wrote their JSON"
@@ -142,7 +148,13 @@ def main(argv: list[str] | None = None) -> None:
             if args.quick:
                 raise fail("compare: --pilot and --quick do not go together")
             try:
-                page, _ = pilot(args.experiment, jobs=args.jobs, runs_dir=args.runs_dir, results=args.results)
+                page, _ = pilot(
+                    args.experiment,
+                    jobs=args.jobs,
+                    runs_dir=args.runs_dir,
+                    results=args.results,
+                    amend=args.amend,
+                )
             except (ValueError, RuntimeError) as err:
                 raise fail(str(err)) from None
             print(f"\nwrote {page}")
@@ -154,8 +166,9 @@ def main(argv: list[str] | None = None) -> None:
                 jobs=args.jobs,
                 runs_dir=args.runs_dir,
                 results=args.results,
+                amend=args.amend,
             )
-        except ValueError as err:
+        except (ValueError, RuntimeError) as err:
             raise fail(str(err)) from None
         print(f"\nwrote {page} (+ .png, .json)")
         if failures:

@@ -10,16 +10,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from otbrl.app.studies.experiment import Experiment, experiment_names, load_experiment, pilot_plan, plan
+from otbrl.app.studies.experiment import (
+    Experiment,
+    experiment_names,
+    load_experiment,
+    pilot_plan,
+    plan,
+    variance_plan,
+)
 from otbrl.app.studies.ladder import ladder_table, plot_ladder, plot_ladder_runs
 from otbrl.app.studies.outcomes import SURGE_HISTORY, SURGE_SMOOTH, analyse
 from otbrl.app.studies.outcomes import interval_json as _interval
 from otbrl.app.studies.plots import plot_arms, plot_figure
+from otbrl.app.studies.records import ProtocolChanged, protocol, protocol_hash, register, registration
 from otbrl.app.studies.report import markdown_table, mean_sd
-from otbrl.app.studies.runs import execute, read_metrics
+from otbrl.app.studies.runs import Run, execute, has_record, read_metrics
 
 # experiment_names: for otbrl.app.cli
-__all__ = ["compare", "events", "experiment_names", "pilot", "report", "table"]
+__all__ = ["ProtocolChanged", "compare", "events", "experiment_names", "pilot", "report", "table"]
 
 RESULTS = Path("docs/results")
 
@@ -45,15 +53,19 @@ def _collapsed(s: dict[str, Any]) -> str:
     return f"{len(steps)}/{s['seeds']}" + (f" ({', '.join(map(str, steps))})" if steps else "")
 
 
+SD_NOTE = ("Each cell is the mean ± the standard deviation across seeds (an SD, not a confidence interval: "
+           "the intervals are in the paired comparisons).")
+
+
 def table(exp: Experiment, result: dict[str, Any]) -> str:
     """One row per arm: held-out reward at each budget, tokens to each threshold, final train reward,
     tokens, steps and train seconds (the energy pass included), clipped fraction, surges, collapses
-    (mean ± sd over seeds)."""
+    (mean ± SD over seeds: `SD_NOTE` says so under it)."""
     budgets = sorted({b for s in result["arms"].values() for b in s["heldout"]})
-    head = ["arm", "seeds", *(f"held-out @{_k(b)}" if b else "held-out before" for b in budgets),
+    head = ["arm", "seeds", *(f"held-out @{_k(b)}" if b else "held-out @0 (start)" for b in budgets),
             *(f"tokens to {th:g} (reached)" for th in exp.thresholds),
-            "final train reward", "tokens", "steps", "train s", "clipped", "surges",
-            "collapsed (step)"]  # fmt: skip
+            "final train reward", "length CV (run)", "tokens", "steps", "train s", "clipped", "surges",
+            "collapsed (step)", "censored"]  # fmt: skip
     rows = []
     for arm, s in result["arms"].items():
         reach = [
@@ -62,9 +74,9 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
         ]
         rows.append([
             arm, s["seeds"], *(mean_sd(s["heldout"].get(b, [])) for b in budgets), *reach,
-            mean_sd(s["final"]), mean_sd(s["total_tokens"]), _whole(s["steps_run"]),
-            _whole(s["train_seconds"]), mean_sd(s["clip_fraction"]), s["surges"],
-            _collapsed(s),
+            mean_sd(s["final"]), mean_sd(s.get("length_cv_run", [])), mean_sd(s["total_tokens"]),
+            _whole(s["steps_run"]), _whole(s["train_seconds"]), mean_sd(s["clip_fraction"]), s["surges"],
+            _collapsed(s), f"{sum(s.get('censored', []))}/{s['seeds']}",
         ])  # fmt: skip
     return markdown_table(head, rows, aligned=False)
 
@@ -76,11 +88,13 @@ def comparisons_table(result: dict[str, Any]) -> str:
         for h in c["heldout"]:
             at = _k(h["budget"]) + (f" vs {_k(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"]
                                     else "")  # fmt: skip
-            rows.append([c["name"], f"held-out reward @{at}, {c['candidate']} − {c['baseline']}",
+            role = " (**primary**)" if h.get("primary") else (" (secondary)" if "primary" in c else "")
+            rows.append([c["name"], f"held-out reward @{at}, {c['candidate']} − {c['baseline']}{role}",
                          str(h["interval"]), h["verdict"]])  # fmt: skip
         for t in c["tokens"]:
             endpoint = (f"tokens saved to {t['threshold']:g} ({c['baseline']} − {c['candidate']}; "
-                        f"reached in {t['reached'][0]} and {t['reached'][1]} seeds)")  # fmt: skip
+                        f"reached in {t['reached'][0]} and {t['reached'][1]} seeds)"
+                        + (" (secondary)" if "primary" in c else ""))  # fmt: skip
             rows.append([c["name"], endpoint, t["interval"].text(thousands=True), t["verdict"]])
         kind = c["kind"] + (f", margin {c['margin']:g}" if c["kind"] == "matches" else "")
         rows.append([c["name"], "**verdict**", kind, f"**{c['verdict']}**"])
@@ -121,11 +135,19 @@ def definitions(exp: Experiment) -> str:
         f"over {SURGE_SMOOTH} steps with zero-gradient steps left out, above {exp.surge_factor:g}x the "
         f"median of its previous {SURGE_HISTORY} values. Collapsed: the trailing mean reward below "
         f"{exp.collapse_fraction:.0%} of its first window's for {exp.collapse_steps} consecutive steps "
-        "inside the run."
+        "inside the run. Censored: a run that ended with its trailing mean below that level for fewer than "
+        f"{exp.collapse_steps} steps (too late for the rule to count it; a longer run might have collapsed). "
+        "Length CV (run): the within-group length CV (std / mean of completion lengths per group, averaged "
+        "over groups) averaged over every logged step of the run, not only its start."
         + (
             " Comparisons are paired by seed (same warm start, same prompts per step, same held-out set); "
-            f"verdict rules: {rules}. A comparison's verdict combines its endpoints: held or did not hold "
-            "when all tested endpoints agree, inconclusive otherwise."
+            f"verdict rules: {rules}. "
+            + ("A comparison's verdict is its primary endpoint's (named in the protocol before the runs); "
+               "secondary endpoints are reported beside it and do not change it."
+               if all("primary" in c for c in exp.comparisons) else
+               "A comparison with a primary endpoint takes that endpoint's verdict (secondary endpoints do "
+               "not change it); one without (a protocol registered before primary endpoints existed) is "
+               "held or did not hold when all its tested endpoints agree, inconclusive otherwise.")
             if exp.comparisons
             else " Verdicts on collapse are stated with the claims that read this page (`otbrl claims`)."
         )
@@ -153,6 +175,7 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
                                    "eval_size") if k in base
     )  # fmt: skip
     arms = "\n".join(f"- `{a}`: {json.dumps(o)}, seeds {exp.arm_seeds(a)}" for a, o in exp.arms.items())
+    parts_protocol = protocol_text(exp, result)
     prompts = result["prompt_problems"]
     check = (
         "Same prompts per step: checked from the runs' prompt digests, no difference between the arms "
@@ -167,7 +190,8 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
         + (f"; learning rates picked on pilot seed {exp.pilot['seed']} "
            f"([{exp.name}-pilot.md]({exp.name}-pilot.md))" if exp.pilot else "") + ".",
         f"Arms:\n{arms}",
-        table(exp, result),
+        parts_protocol,
+        table(exp, result) + "\n\n" + SD_NOTE,
     ]  # fmt: skip
     if exp.ladder:
         fig_path = results / f"{exp.name}-collapse.png"
@@ -187,6 +211,23 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     return md
 
 
+def protocol_text(exp: Experiment, result: dict[str, Any]) -> str:
+    """What the page's runs were made under: the registered protocol's hash and time, its amendments,
+    and the stamps the runs carry (a run stamped with another hash ran under a changed protocol)."""
+    reg = result.get("registration")
+    stamps = result.get("protocols", {})
+    if reg is None:
+        return ("Protocol: **not registered** (these runs predate protocol stamps, issue 22); "
+                f"runs: {', '.join(f'{n} {h}' for h, n in stamps.items()) or 'none'}.")
+    text = (f"Protocol: registered as `{reg['hash']}` at {reg['registered']} when the first run started "
+            + ("(its YAML committed then" + (f", {reg['commit'][:10]})" if reg.get("commit") else ")")
+               if reg.get("committed") else "(its YAML **not committed** then)") + ".")  # fmt: skip
+    for a in reg.get("amendments", []):
+        text += (f" **Amended** at {a['at']} (`{a['hash']}`; keys {', '.join(a['changed'])}): {a['reason']}.")
+    runs = ", ".join(f"{n} under `{h}`" for h, n in stamps.items())
+    return text + f" Runs: {runs}."
+
+
 def to_json(result: dict[str, Any]) -> dict[str, Any]:
     """The per-arm numbers and comparisons (intervals as mappings), for `otbrl claims`."""
     comparisons = []
@@ -194,72 +235,273 @@ def to_json(result: dict[str, Any]) -> dict[str, Any]:
         heldout = [{**h, "interval": _interval(h["interval"])} for h in c["heldout"]]
         tokens = [{**t, "interval": _interval(t["interval"])} for t in c["tokens"]]
         comparisons.append({**c, "heldout": heldout, "tokens": tokens})
-    return {"arms": result["arms"], "comparisons": comparisons, "prompt_problems": result["prompt_problems"]}
+    reg = result.get("registration")
+    return {"arms": result["arms"], "comparisons": comparisons, "prompt_problems": result["prompt_problems"],
+            "protocols": result.get("protocols", {}), "first_started": result.get("first_started"),
+            "registration": None if reg is None else {k: v for k, v in reg.items() if k != "protocol"} | {
+                "amendments": [{k: v for k, v in a.items() if k != "protocol"} for a in reg["amendments"]]},
+            "heldout_split": result.get("heldout_split")}  # fmt: skip
+
+
+def _stamp(exp: Experiment, records: Path, kind: str, amend: str | None, quick: bool) -> dict[str, Any]:
+    """Register the protocol (at the first run) or check it against the registered one; the stamp every
+    run of this invocation records."""
+    proto = protocol(exp.raw, kind)
+    if quick:  # a smoke run: its own protocol, never compared with the real one
+        proto = {**proto, "quick": {"forced": exp.forced, "seeds": exp.seeds, "arms": list(exp.arms)}}
+    register(records, proto, exp.source, amend)
+    return {"hash": protocol_hash(proto), "kind": kind}
+
+
+def _heldout_split(exp: Experiment) -> dict[str, Any] | None:
+    """The held-out side the runs' evaluations drew from (built-in tasks: `load_rows` splits them)."""
+    from otbrl.app.recipe import load_recipe
+    from otbrl.tasks import get_task
+
+    task = load_recipe(exp.recipe, {**exp.common, **exp.forced}).get("task")
+    if not task:
+        return None
+    return {"task": task, "fraction": get_task(task).heldout_fraction, "salt": task}
 
 
 def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | None = None,
-            results: Path | None = None, log: Any = print) -> tuple[Path, list[str]]:  # fmt: skip
-    """Plan, run (resuming), analyse and report one experiment. Returns (results page, failures).
-    Quick runs go to runs/compare-quick/ and leave docs/results alone unless `results` says otherwise."""
+            results: Path | None = None, log: Any = print, amend: str | None = None
+            ) -> tuple[Path, list[str]]:  # fmt: skip
+    """Plan, run (resuming from committed records), analyse and report one experiment. Returns (results
+    page, failures). Quick runs go to runs/compare-quick/ and leave docs/results alone unless `results`
+    says otherwise. The protocol is registered at the first run and checked at every later invocation
+    (`amend`: the reason for a change, recorded); with a pilot gate, no reported run starts until the
+    pilot's committed runs pass it and the YAML holds its picks (and its power calculation)."""
     exp = load_experiment(spec, quick)
     root = Path("runs/compare-quick" if quick else "runs/compare")
     runs_dir = runs_dir or root / exp.name
     results = results or (root / "results" if quick else RESULTS)
+    records = results / "runs" / exp.name
     runs = plan(exp, runs_dir)
-    log(f"{exp.name}: {len(runs)} runs ({len(exp.arms)} arms, seeds {exp.seeds}) in {runs_dir}")
+    if not quick:
+        problems = gate_problems(exp, results)
+        if problems:
+            raise RuntimeError(f"{exp.name}: the pilot's gate is not passed, so no reported run starts:\n- "
+                               + "\n- ".join(problems))  # fmt: skip
+    stamp = _stamp(exp, records, "main", amend, quick)
+    log(f"{exp.name}: {len(runs)} runs ({len(exp.arms)} arms, seeds {exp.seeds}) in {runs_dir}; records in "
+        f"{records}; protocol {stamp['hash']}")  # fmt: skip
     start = time.perf_counter()
-    failures = execute(exp.name, exp.recipe, runs, jobs=jobs, log=log)
-    result = analyse(exp, runs)
+    failures = execute(exp.name, exp.recipe, runs, jobs=jobs, log=log, records=records, stamp=stamp)
+    result = analyse(exp, runs, records)
     if not result["arms"]:
         raise RuntimeError(f"{exp.name}: every run failed:\n" + "\n".join(failures))
+    result["registration"], result["heldout_split"] = registration(records), _heldout_split(exp)
     command = f"otbrl compare {spec}" + (" --quick" if quick else "") + f" --jobs {jobs}"
     page = report(exp, result, results, command, time.perf_counter() - start, failures)
     log(table(exp, result))
     return page, failures
 
 
-def pilot_score(run_dir: Path) -> float:
-    """The pilot's rule: mean train reward over the last quarter of the run's steps."""
-    rewards = [r["reward"] for r in read_metrics(run_dir / "metrics.jsonl", "reward")]
+def pilot_score(rows: Path | list[dict[str, Any]]) -> float:
+    """The pilot's rule: mean train reward over the last quarter of the run's steps (rows of a
+    metrics.jsonl, or a run directory holding one)."""
+    if isinstance(rows, Path):
+        rows = read_metrics(rows / "metrics.jsonl", "reward")
+    rewards = [r["reward"] for r in rows if "reward" in r]
     k = max(1, len(rewards) // 4)
     return sum(rewards[-k:]) / k
 
 
-def pilot(spec: str, *, jobs: int = 2, runs_dir: Path | None = None, results: Path | None = None,
-          log: Any = print) -> tuple[Path, dict[str, float]]:  # fmt: skip
-    """Run the experiment's pilot (every arm at each pilot learning rate, on the pilot seed), pick each
-    arm's learning rate by `pilot_score`, write `<results>/<name>-pilot.md`. The pick goes into the
-    experiment's YAML by hand, before its reported runs: the pilot seed is never one of them."""
-    exp = load_experiment(spec)
-    runs_dir = runs_dir or Path("runs/compare") / exp.name / "pilot"
-    runs = pilot_plan(exp, runs_dir)
-    log(f"{exp.name} pilot: {len(runs)} runs (seed {exp.pilot['seed']}) in {runs_dir}")
-    failures = execute(f"{exp.name} pilot", exp.recipe, runs, jobs=jobs, log=log)
-    if failures:
-        raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
-    return pilot_page(exp, runs, results or RESULTS, f"otbrl compare {spec} --pilot --jobs {jobs}", log)
+def _run_data(run: Run, records: Path | None) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+    """(metrics rows, summary) of a finished run: its committed record, else its directory."""
+    from otbrl.app.studies.records import read_record, record_path
+
+    if has_record(run, records):
+        rec = read_record(record_path(records, run.arm, run.seed))
+        return rec["metrics"], rec["summary"]
+    if (run.dir / "summary.json").is_file():
+        return read_metrics(run.dir / "metrics.jsonl"), json.loads((run.dir / "summary.json").read_text())
+    return None
 
 
-def pilot_page(exp: Experiment, runs: list[Any], results: Path, command: str, log: Any = print
-               ) -> tuple[Path, dict[str, float]]:  # fmt: skip
-    """The pilot's picks from its finished runs, and its page `<results>/<name>-pilot.md`."""
-    rows, picks = [], {}
+def _gain(summary: dict[str, Any]) -> float | None:
+    before, after = summary.get("held-out reward before"), summary.get("held-out reward after")
+    return None if before is None or after is None else after - before
+
+
+def picks_and_gate(exp: Experiment, runs: list[Run], records: Path | None
+                   ) -> tuple[dict[str, float], list[list[Any]], list[list[Any]], bool]:  # fmt: skip
+    """From the pilot's first-stage runs: each arm's pick (`pilot_score`), the score table, the gate table
+    (held-out reward at step 0 and at the end of the picked run, its gain, the arm's threshold) and
+    whether every arm passed (True when the pilot has no gate)."""
+    gate = (exp.pilot or {}).get("gate")
     lrs = sorted({r.overrides["learning_rate"] for r in runs})
+    picks, score_rows, gate_rows, ok = {}, [], [], True
     for arm in exp.arms:
         mine = [r for r in runs if r.arm.startswith(arm + "@")]
-        scores = {r.overrides["learning_rate"]: pilot_score(r.dir) for r in mine}
+        data = {r.overrides["learning_rate"]: _run_data(r, records) for r in mine}
+        scores = {lr: pilot_score(d[0]) for lr, d in data.items() if d is not None}
+        if not scores:
+            score_rows.append([arm, *("not run" for _ in lrs), "—"])
+            ok = False
+            continue
         picks[arm] = max(scores, key=scores.__getitem__)
-        cells = [f"{scores[lr]:.3f}" if lr in scores else "not run" for lr in lrs]
-        rows.append([arm, *cells, f"{picks[arm]:g}"])
-    lrs = [f"{lr:g}" for lr in lrs]
+        score_rows.append([arm, *(f"{scores[lr]:.3f}" if lr in scores else "not run" for lr in lrs),
+                           f"{picks[arm]:g}"])  # fmt: skip
+        if gate is not None:
+            need = float((gate.get("arms") or {}).get(arm, gate["heldout_gain"]))
+            summary = data[picks[arm]][1]
+            gain = _gain(summary)
+            passed = gain is not None and gain >= need
+            ok &= passed
+            gate_rows.append([arm, f"{picks[arm]:g}", _fmt(summary.get("held-out reward before")),
+                              _fmt(summary.get("held-out reward after")), _fmt(gain, sign=True),
+                              f"≥ {need:g}", "**passed**" if passed else "**failed**"])  # fmt: skip
+    return picks, score_rows, gate_rows, ok
+
+
+def _fmt(value: float | None, sign: bool = False) -> str:
+    return "—" if value is None else (f"{value:+.3f}" if sign else f"{value:.3f}")
+
+
+def power_plans(exp: Experiment, runs: list[Run], records: Path | None) -> list[dict[str, Any]]:
+    """The power calculation of each comparison from the pilot's variance seeds: paired differences of
+    held-out reward at the comparison's primary budget (its last budget without one), the planned SD
+    (an upper confidence limit, `power.sd_upper`) and the seeds that reach the protocol's power."""
+    from otbrl.app.studies import power
+
+    settings = {"power": 0.8, "effect": 0.03, "sd_level": 0.8, **((exp.pilot or {}).get("power") or {})}
+    by_arm: dict[str, dict[int, float]] = {}
+    for r in runs:
+        d = _run_data(r, records)
+        if d is None:
+            continue
+        heldout = {int(b): row["heldout_reward"] for row in d[0] for b in row.get("heldout_budgets", [])}
+        by_arm.setdefault(r.arm.rpartition("@")[0], {})[r.seed] = heldout
+    out = []
+    for c in exp.comparisons:
+        budget = int(c.get("primary", c.get("budgets", [0])[-1]))
+        budgets = [int(b) for b in c.get("budgets", [])]
+        base_budgets = [int(b) for b in c.get("baseline_budgets", budgets)]
+        base_budget = base_budgets[budgets.index(budget)] if budget in budgets else budget
+        cand, base = by_arm.get(c["candidate"], {}), by_arm.get(c["baseline"], {})
+        diffs = [cand[s][budget] - base[s][base_budget] for s in sorted(set(cand) & set(base))
+                 if budget in cand[s] and base_budget in base[s]]  # fmt: skip
+        kind = c.get("kind", "better")
+        calc = power.plan(diffs, kind, float(c.get("margin", 0.0)), float(settings["effect"]), exp.confidence,
+                          float(settings["power"]), float(settings["sd_level"]))  # fmt: skip
+        out.append({"name": c["name"], "kind": kind, "budget": budget, "diffs": diffs, **calc,
+                    "target": settings["power"]})  # fmt: skip
+    return out
+
+
+def gate_problems(exp: Experiment, results: Path) -> list[str]:
+    """Why the reported runs may not start yet (empty: they may): with a pilot gate, every arm must have
+    passed it in the pilot's committed runs and the YAML must hold each arm's pick; with variance seeds,
+    the YAML's `power.seeds` must be at least what the pilot's variance calls for."""
+    if not exp.pilot or "gate" not in exp.pilot:
+        return []
+    records = results / "runs" / f"{exp.name}-pilot"
+    stage1 = pilot_plan(exp, Path("runs/compare") / exp.name / "pilot")
+    picks, _, gate_rows, ok = picks_and_gate(exp, stage1, records)
+    problems = [f"{row[0]}: held-out gain {row[4]} at its pick {row[1]} (needs {row[5]})"
+                for row in gate_rows if "passed" not in row[-1]]  # fmt: skip
+    if not ok and not problems:
+        problems.append(f"the pilot has not run (or not every arm): `otbrl compare {exp.name} --pilot`")
+    for arm, lr in picks.items():
+        own = (exp.arms[arm] or {}).get("learning_rate")
+        if own is None or float(own) != float(lr):
+            problems.append(f"{arm}: the YAML's learning_rate is {own}, the pilot picked {lr:g}")
+    if ok and exp.pilot.get("variance_seeds"):
+        stage2 = variance_plan(exp, Path("runs/compare") / exp.name / "pilot", picks)
+        plans = power_plans(exp, stage2, records)
+        need = [p["seeds"] for p in plans]
+        if any(n is None for n in need) or not need:
+            problems.append("the pilot's variance seeds are not all run, or call for more than 200 seeds")
+        elif exp.power is None or int(exp.power["seeds"]) < max(need):
+            have = None if exp.power is None else exp.power.get("seeds")
+            problems.append(f"power: the pilot's variance calls for {max(need)} seeds per compared arm; the "
+                            f"YAML's power section says {have}")  # fmt: skip
+    return problems
+
+
+def pilot(spec: str, *, jobs: int = 2, runs_dir: Path | None = None, results: Path | None = None,
+          log: Any = print, amend: str | None = None) -> tuple[Path, dict[str, float]]:  # fmt: skip
+    """Run the experiment's pilot: every arm at each pilot learning rate on the pilot seed, each arm's
+    pick by `pilot_score` and the gate (held-out gain at the pick); if every arm passed and the pilot has
+    `variance_seeds`, the picks on those seeds and the power calculation from their paired differences.
+    Writes `<results>/<name>-pilot.md`; its runs' records go to `<results>/runs/<name>-pilot/`. The picks
+    and the power calculation go into the experiment's YAML by hand, before its reported runs (which
+    `compare` checks); the pilot's seeds are never reported ones."""
+    exp = load_experiment(spec)
+    runs_dir = runs_dir or Path("runs/compare") / exp.name / "pilot"
+    results = results or RESULTS
+    records = results / "runs" / f"{exp.name}-pilot"
+    stamp = _stamp(exp, records, "pilot", amend, quick=False)
+    runs = pilot_plan(exp, runs_dir)
+    log(f"{exp.name} pilot: {len(runs)} runs (seed {exp.pilot['seed']}) in {runs_dir}; "
+        f"protocol {stamp['hash']}")  # fmt: skip
+    failures = execute(f"{exp.name} pilot", exp.recipe, runs, jobs=jobs, log=log, records=records,
+                       stamp=stamp)  # fmt: skip
+    if failures:
+        raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
+    picks, _, _, ok = picks_and_gate(exp, runs, records)
+    stage2: list[Run] = []
+    if ok and exp.pilot.get("variance_seeds"):
+        stage2 = variance_plan(exp, runs_dir, picks)
+        log(f"{exp.name} pilot: gate passed; {len(stage2)} runs at the picks on seeds "
+            f"{exp.pilot['variance_seeds']}")  # fmt: skip
+        failures = execute(f"{exp.name} pilot variance", exp.recipe, stage2, jobs=jobs, log=log,
+                           records=records, stamp=stamp)  # fmt: skip
+        if failures:
+            raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
+    command = f"otbrl compare {spec} --pilot --jobs {jobs}"
+    return pilot_page(exp, runs, results, command, log, records=records, stage2=stage2)
+
+
+def pilot_page(exp: Experiment, runs: list[Any], results: Path, command: str, log: Any = print,
+               records: Path | None = None, stage2: list[Run] | None = None
+               ) -> tuple[Path, dict[str, float]]:  # fmt: skip
+    """The pilot's picks, gate and power calculation from its finished runs (committed records where
+    `records` holds them), and its page `<results>/<name>-pilot.md`."""
+    picks, rows, gate_rows, ok = picks_and_gate(exp, runs, records)
+    lrs = [f"{lr:g}" for lr in sorted({r.overrides["learning_rate"] for r in runs})]
     results.mkdir(parents=True, exist_ok=True)
     page = results / f"{exp.name}-pilot.md"
-    page.write_text(
-        f"# Pilot of experiment `{exp.name}`\n\nRegenerate: `{command}`.\n\n"
+    grid = markdown_table(["arm", *(f"lr {lr}" for lr in lrs), "pick"], rows, aligned=False)
+    parts = [
+        f"# Pilot of experiment `{exp.name}`",
+        f"Regenerate: `{command}` (from the committed records in `runs/{exp.name}-pilot/`: no run is "
+        "redone).",
         f"Seed {exp.pilot['seed']} (not a reported seed). Rule: each arm takes the learning rate with the "
         "highest mean train reward over the last quarter of its steps; the picks are written into the "
-        "experiment's YAML before its reported runs. These numbers are not evidence for any claim.\n\n"
-        + markdown_table(["arm", *(f"lr {lr}" for lr in lrs), "pick"], rows, aligned=False) + "\n"
-    )
-    log(markdown_table(["arm", *(f"lr {lr}" for lr in lrs), "pick"], rows, aligned=False))
+        "experiment's YAML before its reported runs. These numbers are not evidence for any claim.",
+        grid,
+    ]
+    reg = registration(records) if records is not None else None
+    if reg is not None:
+        parts.insert(2, protocol_text(exp, {"registration": reg, "protocols": {}}).replace(" Runs: .", ""))
+    gate = exp.pilot.get("gate")
+    if gate is not None:
+        parts.append(
+            "Gate (fixed in the protocol before the pilot ran): at its pick, each arm's held-out reward must "
+            "rise by at least its threshold from step 0 to the end of its budget; reported runs start only "
+            "when every arm passes. "
+            + ("**Every arm passed.**" if ok else "**Not passed: no reported run starts.**")
+            + "\n\n" + markdown_table(["arm", "pick", "held-out @0", "held-out at the end", "gain", "needs",
+                                       "gate"], gate_rows, aligned=False))  # fmt: skip
+    if stage2:
+        plans = power_plans(exp, stage2, records)
+        prow = [[p["name"], p["kind"], _k(p["budget"]), p["pilot_seeds"],
+                 " ".join(f"{d:+.3f}" for d in p["diffs"]) or "—", _fmt(p["pilot_sd"]), _fmt(p["sd_planned"]),
+                 f"{p['floor']:+g}", f"{p['delta']:+g}", p["seeds"] if p["seeds"] is not None else "> 200"]
+                for p in plans]  # fmt: skip
+        target = plans[0]["target"] if plans else 0.8
+        parts.append(
+            f"Power (variance seeds {exp.pilot['variance_seeds']}, each arm at its pick): paired differences "
+            "of held-out reward at each comparison's primary budget; the plan's SD is the upper 80% "
+            "confidence limit of their SD; seeds: the fewest for which the verdict rule says held with "
+            f"probability ≥ {target:g} when the true difference is δ ({exp.confidence:.0%} t interval above "
+            "the floor; "
+            "`otbrl.app.studies.power`). The YAML's `power.seeds` must be at least the largest.\n\n"
+            + markdown_table(["comparison", "kind", "primary budget", "seeds", "differences", "SD",
+                              "SD planned", "floor", "δ", "seeds needed"], prow, aligned=False))  # fmt: skip
+    page.write_text("\n\n".join(parts) + "\n")
+    log(grid)
     return page, picks

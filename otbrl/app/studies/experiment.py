@@ -25,11 +25,21 @@ The fair protocol's keys, fixed before the runs:
                                                    # arm's own `ladder: [...]` climbs part of it
     thresholds: [0.45, 0.55]                       # absolute train rewards for tokens-to-threshold
     comparisons:                                   # paired per-seed differences with CIs (see verdicts)
-      - {name: primary, candidate: otb-N4, baseline: grpo-N4, budget: 300000}
+      - {name: n4, candidate: otb-N4, baseline: grpo-N4, budgets: [100000, 200000],
+         primary: 200000}                          # the one endpoint the verdict is read from (held-out
+                                                   # reward at this budget); the others are secondary
+    pilot: {..., gate: {heldout_gain: 0.05, arms: {grpo-N32: 0.15}},   # every arm must learn: held-out
+            variance_seeds: [101, 102, 103]}       # gain at its picked rate; then the picked rates on
+                                                   # these seeds give the variance the power needs
+    power: {power: 0.8, effect: 0.03, sd: ..., seeds: ...}   # filled from the pilot's page, checked
+
+The protocol (the whole file but `description` and `quick`) is registered when the first run starts and
+every run records its hash (`records`); a later change needs `otbrl compare NAME --amend REASON`.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +80,10 @@ class Experiment:
     # consecutive steps (a window that the run's end truncates does not count)
     collapse_steps: int = 10
     surge_factor: float = 3.0  # surge: smoothed pre-clip grad norm > factor x its trailing median
+    power: dict[str, Any] | None = None  # the power calculation (from the pilot's variance)
+    # not YAML keys: the parsed file (its protocol is hashed) and where it came from
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    source: Path | None = None
 
     def arm_seeds(self, arm: str) -> list[int]:
         """The seeds arm `arm` runs: its own `seeds` (kept within the experiment's), else the experiment's."""
@@ -144,13 +158,34 @@ def _check_protocol(path: Path, exp: Experiment) -> None:
         for key in ("candidate", "baseline"):
             if c[key] not in exp.arms:
                 raise ValueError(f"experiment {path}: comparisons[{i}]: {c[key]!r} is not an arm")
+        if "primary" in c and int(c["primary"]) not in [int(b) for b in c.get("budgets", [])]:
+            raise ValueError(f"experiment {path}: comparisons[{i}]: primary {c['primary']} is not one of "
+                             f"its budgets {c.get('budgets', [])}")  # fmt: skip
     if not 0 < exp.confidence < 1:
         raise ValueError(f"experiment {path}: confidence must be in (0, 1), got {exp.confidence}")
     if exp.pilot is not None:
         if not isinstance(exp.pilot, dict) or "seed" not in exp.pilot or not exp.pilot.get("learning_rates"):
             raise ValueError(f"experiment {path}: pilot needs a seed and learning_rates")
-        if exp.pilot["seed"] in exp.seeds:
-            raise ValueError(f"experiment {path}: the pilot seed {exp.pilot['seed']} is also a reported seed")
+        pilot_seeds = [exp.pilot["seed"], *exp.pilot.get("variance_seeds", [])]
+        if set(pilot_seeds) & set(exp.seeds):
+            both = ", ".join(map(str, sorted(set(pilot_seeds) & set(exp.seeds))))
+            raise ValueError(f"experiment {path}: the pilot seed {both} is also a reported seed")
+        gate = exp.pilot.get("gate")
+        if gate is not None:
+            if not isinstance(gate, dict) or "heldout_gain" not in gate:
+                raise ValueError(f"experiment {path}: pilot: gate needs heldout_gain (and optional arms)")
+            for arm in gate.get("arms", {}) or {}:
+                if arm not in exp.arms:
+                    raise ValueError(f"experiment {path}: pilot: gate names {arm!r}, which is not an arm")
+    if exp.power is not None:
+        if not isinstance(exp.power, dict) or "seeds" not in exp.power:
+            raise ValueError(f"experiment {path}: power needs seeds (the seeds per arm it calls for)")
+        few = [a for a in exp.arms if len(exp.arm_seeds(a)) < int(exp.power["seeds"])]
+        compared = {c[k] for c in exp.comparisons for k in ("candidate", "baseline")}
+        few = [a for a in few if a in compared]
+        if few:
+            raise ValueError(f"experiment {path}: power calls for {exp.power['seeds']} seeds per compared "
+                             f"arm; {', '.join(few)} {'has' if len(few) == 1 else 'have'} fewer")  # fmt: skip
 
 
 def _apply_quick(path: Path, exp: Experiment, section: dict[str, Any]) -> None:
@@ -179,14 +214,14 @@ def load_experiment(spec: str, quick: bool = False) -> Experiment:
             )
     raw = yaml.safe_load(path.read_text()) or {}
     quick_section = raw.pop("quick", {}) or {}
-    known = {f for f in Experiment.__dataclass_fields__ if f != "name"}
+    known = {f for f in Experiment.__dataclass_fields__ if f not in ("name", "raw", "source")}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"experiment {path}: unknown key {unknown[0]!r} (keys: {', '.join(sorted(known))})")
     for key in ("recipe", "arms", "seeds"):
         if key not in raw:
             raise ValueError(f"experiment {path}: missing key {key!r}")
-    exp = Experiment(name=path.stem, **raw)
+    exp = Experiment(name=path.stem, **raw, raw=copy.deepcopy(raw), source=path)
     _check_roles(path, exp)  # against every arm (before a ladder): a quick run drops some, roles stay
     _expand_ladder(path, exp)
     _check_protocol(path, exp)
@@ -207,7 +242,8 @@ def pilot_plan(exp: Experiment, out: Path) -> list[Run]:
     if not exp.pilot:
         raise ValueError(f"experiment {exp.name}: no `pilot:` section")
     runs = []
-    extra = {k: v for k, v in exp.pilot.items() if k not in ("seed", "learning_rates", "token_factor")}
+    extra = {k: v for k, v in exp.pilot.items()
+             if k not in ("seed", "learning_rates", "token_factor", "gate", "variance_seeds")}  # fmt: skip
     for arm in exp.arms:
         budget = {**exp.common, **(exp.arms[arm] or {})}.get("max_generated_tokens")
         if budget and "token_factor" in exp.pilot:  # the pilot's budget, as a multiple of the arm's
@@ -216,6 +252,16 @@ def pilot_plan(exp: Experiment, out: Path) -> list[Run]:
             name = f"{arm}@{float(lr):g}"
             runs.append(_run(exp, out, arm, exp.pilot["seed"], {"learning_rate": float(lr), **extra}, name))
     return runs
+
+
+def variance_plan(exp: Experiment, out: Path, picks: dict[str, float]) -> list[Run]:
+    """The pilot's second stage: every arm at its picked rate on each of the pilot's `variance_seeds`
+    (named arm@lr like the first stage), whose paired differences give the power calculation its SD."""
+    extra = {k: v for k, v in exp.pilot.items()
+             if k not in ("seed", "learning_rates", "token_factor", "gate", "variance_seeds")}  # fmt: skip
+    return [_run(exp, out, arm, seed, {"learning_rate": float(picks[arm]), **extra},
+                 f"{arm}@{float(picks[arm]):g}")
+            for arm in exp.arms for seed in exp.pilot.get("variance_seeds", [])]  # fmt: skip
 
 
 def _run(exp: Experiment, out: Path, arm: str, seed: int, extra: dict[str, Any] | None = None,

@@ -79,9 +79,20 @@ def first_crossing(tokens: list[float], smooth: list[float], threshold: float) -
 
 
 def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0, batch: int = 1) -> dict[str, Any]:
+    """`analyse_rows` of a run directory's metrics.jsonl and summary.json."""
     rows = read_metrics(run_dir / "metrics.jsonl")
+    return analyse_rows(rows, json.loads((run_dir / "summary.json").read_text()), exp, seed, batch)
+
+
+def _mean(values: list[float]) -> float:
+    kept = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.fmean(kept) if kept else math.nan
+
+
+def analyse_rows(rows: list[dict[str, Any]], summary: dict[str, Any], exp: Experiment, seed: int = 0,
+                 batch: int = 1) -> dict[str, Any]:  # fmt: skip
+    """One run's outcomes from its logged steps (a metrics.jsonl or a record's) and its summary."""
     rewarded = [r for r in rows if "reward" in r]
-    summary = json.loads((run_dir / "summary.json").read_text())
     steps = [r["step"] for r in rewarded]
     reward = [r["reward"] for r in rewarded]
     tokens = [r["generated_tokens"] for r in rewarded]
@@ -97,10 +108,24 @@ def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0, batch: int = 1) -
     k = max(1, len(reward) // 10)
     horizon = {key: [r[f"otb/horizon/{key}"] for r in rewarded if f"otb/horizon/{key}" in r]
                for key in ("length_cv", "energy_cv", "reward_spread", "energy_reward_corr")}  # fmt: skip
+    w_end = moving_average(reward, w, centred=False)[-1] if reward else math.nan
+    start_level = statistics.fmean(reward[:w]) if reward else math.nan
+    collapse = collapse_step(steps, reward, w, exp.collapse_fraction, exp.collapse_steps)
+    # Censored: the run ended with its trailing mean below the collapse level, too late for the rule to
+    # count it (fewer than collapse_steps steps below at the end). A longer run might have collapsed.
+    below_end = 0
+    if reward and start_level > 0 and len(reward) >= w:
+        trailing = moving_average(reward, w, centred=False)
+        for i in range(len(reward) - 1, w - 2, -1):
+            if trailing[i] >= exp.collapse_fraction * start_level:
+                break
+            below_end += 1
     return {
         "seed": seed,
-        # the task's horizon as the runs met it: within-group spreads over the first 10 steps
+        # the task's horizon as the runs met it: within-group spreads over the first 10 steps, and over
+        # the whole run (mean over every logged step)
         **{f"{key}_start": statistics.fmean(v[:10]) if v else math.nan for key, v in horizon.items()},
+        **{f"{key}_run": _mean(v) for key, v in horizon.items()},
         "steps": steps,
         "tokens": tokens,
         "reward": reward,
@@ -120,7 +145,10 @@ def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0, batch: int = 1) -
         "surges": surge_steps(steps, norms, exp.surge_factor),
         "clip_fraction": statistics.fmean(clipped) if clipped else math.nan,
         "decays": [r["step"] for r in rewarded if r.get("otb/lr_decay_trigger")],
-        "collapse": collapse_step(steps, reward, w, exp.collapse_fraction, exp.collapse_steps),
+        "collapse": collapse,
+        "censored": collapse is None and below_end > 0,
+        "below_end_steps": below_end,
+        "trailing_end": w_end,
     }
 
 
@@ -140,6 +168,9 @@ def _arm_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
         "clip_fraction": [r["clip_fraction"] for r in results],
         **{key: [r[key] for r in results] for key in ("length_cv_start", "energy_cv_start",
                                                       "reward_spread_start", "energy_reward_corr_start")},
+        **{f"{key}_run": [r[f"{key}_run"] for r in results]
+           for key in ("length_cv", "energy_cv", "reward_spread", "energy_reward_corr")},
+        "censored": [r["censored"] for r in results],
         "steps_run": [r["steps"][-1] if r["steps"] else 0 for r in results],
         "train_seconds": [r["train_seconds"] for r in results],
         "collapses": [r["collapse"] for r in results],
@@ -178,7 +209,10 @@ def compare_arms(exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[
                  ) -> dict[str, Any]:  # fmt: skip
     """One comparison of the YAML's `comparisons`: paired intervals of held-out reward at each budget
     (candidate budget against the baseline's, `baseline_budgets` when they differ) and, for `better`
-    claims, of tokens saved to each threshold (over seeds where both arms reached it); its verdict."""
+    claims, of tokens saved to each threshold (over seeds where both arms reached it); its verdict. With
+    `primary` (a budget), the verdict is that endpoint's alone: the others are secondary, reported beside
+    it, and cannot veto it. Without it (protocols registered before primary endpoints existed), every
+    tested endpoint must agree."""
     kind, margin = spec.get("kind", "better"), float(spec.get("margin", 0.0))
     cand, base = per_arm.get(spec["candidate"], []), per_arm.get(spec["baseline"], [])
     budgets = [int(b) for b in spec.get("budgets", [])]
@@ -189,7 +223,8 @@ def compare_arms(exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[
                        _seed_values(base, lambda r, bb=bb: r["heldout"].get(bb)))  # fmt: skip
         ci = t_interval(diffs, exp.confidence)
         v = verdict(kind, ci, margin)
-        heldout.append({"budget": b, "baseline_budget": bb, "interval": ci, "verdict": v})
+        heldout.append({"budget": b, "baseline_budget": bb, "interval": ci, "verdict": v,
+                        "primary": "primary" in spec and int(spec["primary"]) == b})  # fmt: skip
         verdicts.append(v)
     tokens = []
     for th in exp.thresholds if kind == "better" else []:
@@ -201,23 +236,45 @@ def compare_arms(exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[
         v = verdict(kind, ci)
         tokens.append({"threshold": th, "interval": ci, "verdict": v, "reached": reached})
         verdicts.append(v)
-    return {**spec, "kind": kind, "margin": margin, "heldout": heldout, "tokens": tokens,
-            "verdict": combine(verdicts) if verdicts else NOT_TESTED}  # fmt: skip
+    if "primary" in spec:
+        overall = next(h["verdict"] for h in heldout if h["primary"])
+    else:
+        overall = combine(verdicts) if verdicts else NOT_TESTED
+    return {**spec, "kind": kind, "margin": margin, "heldout": heldout, "tokens": tokens, "verdict": overall}
 
 
-def analyse(exp: Experiment, runs: list[Run]) -> dict[str, Any]:
+def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> dict[str, Any]:
     """{"arms": {arm: per-arm stats}, "runs": {arm: [per-run...]}, "comparisons": [...],
-    "prompt_problems": [...]}, over the runs that finished."""
+    "prompt_problems": [...], "protocols": {hash: runs}, "first_started": time}, over the runs that
+    finished: from their committed records where `records` holds them, else from their directories."""
+    from otbrl.app.studies.records import read_record, record_path
+    from otbrl.app.studies.runs import has_record
+
     per_arm: dict[str, list[dict[str, Any]]] = {}
+    stamps: dict[str, int] = {}
+    started: list[str] = []
     for run in runs:
-        if (run.dir / "summary.json").is_file():
-            batch = int(run.overrides.get("per_device_train_batch_size", 1))
-            per_arm.setdefault(run.arm, []).append(analyse_run(run.dir, exp, run.seed, batch))
+        batch = int(run.overrides.get("per_device_train_batch_size", 1))
+        if has_record(run, records):
+            rec = read_record(record_path(records, run.arm, run.seed))
+            rows, summary = rec["metrics"], rec["summary"]
+            key = (rec.get("protocol") or {}).get("hash") or "unstamped"
+            stamps[key] = stamps.get(key, 0) + 1
+            started += [rec["started"]] if rec.get("started") else []
+        elif (run.dir / "summary.json").is_file():
+            rows = read_metrics(run.dir / "metrics.jsonl")
+            summary = json.loads((run.dir / "summary.json").read_text())
+            stamps["unstamped"] = stamps.get("unstamped", 0) + 1
+        else:
+            continue
+        per_arm.setdefault(run.arm, []).append(analyse_rows(rows, summary, exp, run.seed, batch))
     return {
         "arms": {arm: _arm_stats(results) for arm, results in per_arm.items()},
         "runs": per_arm,
         "comparisons": [compare_arms(exp, c, per_arm) for c in exp.comparisons],
         "prompt_problems": prompt_check(per_arm),
+        "protocols": stamps,
+        "first_started": min(started) if started else None,
     }
 
 

@@ -1,6 +1,7 @@
 """Training runs on disk: the one reader and writer of a run's `metrics.jsonl` (one JSON object per logged
 step), the moving average its curves are smoothed with, and `otbrl train` runs launched in their own
-processes, resuming what is already done."""
+processes, resuming what is already done: a run with a committed record (`records`) is never trained
+again, on any machine."""
 
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ def is_done(run: Run) -> bool:
     )
 
 
+def has_record(run: Run, records: Path | None) -> bool:
+    """The run's committed record exists and was made with the overrides it would run with now."""
+    from otbrl.app.studies.records import comparable, read_record, record_path
+
+    if records is None:
+        return False
+    path = record_path(records, run.arm, run.seed)
+    return path.is_file() and read_record(path)["overrides"] == comparable(run.overrides)
+
+
 def _train(recipe: str, run: Run) -> tuple[int, str]:
     """Run `otbrl train` for one run in its own process, its output in the run's train.log.
     Returns (exit code, a line that says why it failed, or "")."""
@@ -86,13 +97,30 @@ def _train(recipe: str, run: Run) -> tuple[int, str]:
 
 
 def execute(
-    name: str, recipe: str, runs: list[Run], jobs: int = 2, log: Callable[[str], Any] = print
+    name: str, recipe: str, runs: list[Run], jobs: int = 2, log: Callable[[str], Any] = print,
+    records: Path | None = None, stamp: dict[str, Any] | None = None,
 ) -> list[str]:
-    """Run what is not done yet of experiment `name` (base recipe `recipe`), `jobs` at a time. Returns one
-    line per failed run (nothing is dropped silently)."""
-    todo = [r for r in runs if not is_done(r)]
+    """Run what is not done yet of experiment `name` (base recipe `recipe`), `jobs` at a time. With
+    `records` (a folder of committed run records), a run with a record is done, a finished run directory
+    without one gets one, and each run that finishes writes its record at once, stamped with `stamp` (the
+    protocol's hash), so a stop at any point loses at most the runs in flight. Returns one line per failed
+    run (nothing is dropped silently)."""
+    from otbrl.app.studies.records import make_record, now, record_path, write_record
+
+    def keep(run: Run) -> None:
+        if records is not None:
+            write_record(record_path(records, run.arm, run.seed), make_record(run, stamp or {}))
+
+    recorded = [r for r in runs if has_record(r, records)]
+    for r in runs:
+        if r not in recorded and is_done(r) and records is not None:
+            keep(r)
+            recorded.append(r)
+    todo = [r for r in runs if r not in recorded and not is_done(r)]
     if len(todo) < len(runs):
-        log(f"{len(runs) - len(todo)} of {len(runs)} runs already done (delete a run's directory to redo it)")
+        log(f"{len(runs) - len(todo)} of {len(runs)} runs already done"
+            + (f" ({len(recorded)} with a record in {records})" if records is not None else "")
+            + " (delete a run's record and directory to redo it)")  # fmt: skip
     failures: list[str] = []
     try:
         from tqdm.auto import tqdm
@@ -103,9 +131,15 @@ def execute(
 
     def one(run: Run) -> None:
         start = time.perf_counter()
+        run.dir.mkdir(parents=True, exist_ok=True)
+        started = run.dir / "started.json"  # a resumed run keeps the stamp and time it first started under
+        if not started.is_file():
+            started.write_text(json.dumps({"protocol": stamp or {}, "started": now()}))
         code, failure = _train(recipe, run)
         if failure:
             failures.append(failure)
+        else:
+            keep(run)
         if bar is not None:
             bar.set_postfix_str(f"{run.arm} s{run.seed} {time.perf_counter() - start:.0f}s")
             bar.update()

@@ -1,0 +1,180 @@
+"""Per-run records that are committed, and the protocol stamp that pre-registration is checked by.
+
+A record is one finished run in compact form: its arm, seed and recipe overrides, the hash of its
+experiment's protocol, when it started and finished, its summary and the metrics every analysis reads
+(gzip-compressed JSON, `<results>/runs/<experiment>/<arm>/seed<k>.json.gz`). Pages, claims and the
+benchmarks that read runs are rebuilt from records alone, on any machine; an experiment stopped at any
+point resumes by training only the runs that have no record yet.
+
+The protocol is everything in the experiment's YAML that decides its results (seeds, budgets, arms,
+thresholds, comparisons and verdict rules, pilot and gate, power calculation): the whole file but its
+`description`, `quick` section and comments. Its hash is fixed in `<results>/runs/<experiment>/
+protocol.json` when the first run starts (with whether the YAML was committed then). A later change to
+it stops `otbrl compare` until it is recorded there as an amendment with a reason (`--amend`), and
+claims.md lists every amendment and every result made under a protocol other than its first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gzip
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+# What the analyses read from each logged step (the rest of metrics.jsonl is TRL's bookkeeping).
+KEEP = (
+    "step", "generated_tokens", "train_seconds", "reward", "reward_std", "frac_reward_zero_std", "grad_norm",
+    "clipped", "learning_rate", "entropy", "completions/mean_length", "completions/max_length",
+    "completions/clipped_ratio", "prompts_sha", "heldout_reward", "heldout_budgets", "otb/lr_decay_trigger",
+    "otb/grad_norm_surge", "otb/energy_own_pass",
+)  # fmt: skip
+KEEP_PREFIXES = ("otb/horizon/",)
+# Keys of an experiment's YAML that are not its protocol.
+NOT_PROTOCOL = ("description", "quick")
+# Keys a pilot's protocol leaves out: what the pilot itself decides (rates), or what is decided after it.
+PILOT_LEAVES_OUT = ("seeds", "reference", "roles", "comparisons", "power", "thresholds", "confidence")
+ARM_KEYS_PILOT_LEAVES_OUT = ("learning_rate", "seeds")
+
+
+def _digits(value: Any) -> Any:
+    """Floats to 6 significant digits (metrics are float32 at best): smaller records, the same analysis."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, list):
+        return [_digits(v) for v in value]
+    return value
+
+
+def compact(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl with only the keys the analyses read."""
+    return [
+        {k: _digits(v) for k, v in r.items() if k in KEEP or k.startswith(KEEP_PREFIXES)} for r in rows
+    ]
+
+
+def protocol(raw: dict[str, Any], kind: str = "main") -> dict[str, Any]:
+    """The protocol part of an experiment's parsed YAML; kind "pilot": what its pilot runs depend on."""
+    out = {k: v for k, v in raw.items() if k not in NOT_PROTOCOL}
+    if kind == "pilot":
+        out = {k: v for k, v in out.items() if k not in PILOT_LEAVES_OUT}
+        out["arms"] = {
+            arm: {k: v for k, v in (o or {}).items() if k not in ARM_KEYS_PILOT_LEAVES_OUT}
+            for arm, o in raw.get("arms", {}).items()
+        }
+    elif kind != "main":
+        raise ValueError(f"kind: 'main' or 'pilot', got {kind!r}")
+    return out
+
+
+def protocol_hash(proto: dict[str, Any]) -> str:
+    """16 hex digits of sha256 over the protocol as canonical JSON."""
+    blob = json.dumps(proto, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _git_committed(path: Path) -> dict[str, Any]:
+    """Whether `path` is committed unchanged in the checkout it lies in (and at which commit)."""
+    try:
+        cwd = path.resolve().parent
+        status = subprocess.run(["git", "status", "--porcelain", "--", path.name], cwd=cwd,
+                                capture_output=True, text=True, timeout=20)  # fmt: skip
+        head = subprocess.run(["git", "log", "-1", "--format=%H", "--", path.name], cwd=cwd,
+                              capture_output=True, text=True, timeout=20)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {"committed": None, "commit": None}
+    if status.returncode or head.returncode:
+        return {"committed": None, "commit": None}
+    return {"committed": not status.stdout.strip() and bool(head.stdout.strip()),
+            "commit": head.stdout.strip() or None}  # fmt: skip
+
+
+class ProtocolChanged(RuntimeError):
+    """The experiment's protocol differs from the one registered when its first run started."""
+
+
+def register(folder: Path, proto: dict[str, Any], source: Path | None, amend: str | None = None
+             ) -> dict[str, Any]:  # fmt: skip
+    """The registration of `folder`'s experiment (its protocol.json), written at the first run. A protocol
+    that differs from the registered one (and from its last amendment) raises ProtocolChanged, unless
+    `amend` gives the reason: then it is recorded as an amendment and runs go on."""
+    path = folder / "protocol.json"
+    digest = protocol_hash(proto)
+    git = _git_committed(source) if source is not None else {"committed": None, "commit": None}
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        reg = {"hash": digest, "registered": now(), **git, "protocol": proto, "amendments": []}
+        path.write_text(json.dumps(reg, indent=1, default=str) + "\n")
+        return reg
+    reg = json.loads(path.read_text())
+    current = reg["amendments"][-1]["hash"] if reg["amendments"] else reg["hash"]
+    if digest == current:
+        return reg
+    before = reg["amendments"][-1]["protocol"] if reg["amendments"] else reg["protocol"]
+    changed = sorted(k for k in set(before) | set(proto) if before.get(k) != proto.get(k))
+    if not amend:
+        raise ProtocolChanged(
+            f"{path}: the protocol changed since it was registered ({reg['registered']}): keys "
+            f"{', '.join(changed)}. Undo the change, or record it with --amend 'REASON' (claims.md then "
+            "lists it as a change after the first run started)"
+        )
+    reg["amendments"].append({"hash": digest, "at": now(), "reason": amend, "changed": changed, **git,
+                              "protocol": proto})  # fmt: skip
+    path.write_text(json.dumps(reg, indent=1, default=str) + "\n")
+    return reg
+
+
+def registration(folder: Path) -> dict[str, Any] | None:
+    path = folder / "protocol.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def record_path(folder: Path, arm: str, seed: int) -> Path:
+    return folder / arm / f"seed{seed}.json.gz"
+
+
+def comparable(overrides: dict[str, Any]) -> dict[str, Any]:
+    """A run's overrides without where it ran (the same run on another machine has another output_dir)."""
+    return {k: v for k, v in overrides.items() if k != "output_dir"}
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """gzip with a fixed header time: the same record gives the same bytes (no spurious diffs)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = json.dumps(record, separators=(",", ":")).encode()
+    with path.open("wb") as raw, gzip.GzipFile("", "wb", 9, raw, mtime=0) as f:  # no name, no time
+        f.write(blob)
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+def make_record(run: Any, stamp: dict[str, Any]) -> dict[str, Any]:
+    """The record of a finished run (run: `runs.Run`), from its directory."""
+    from otbrl.app.studies.runs import read_metrics
+
+    started = run.dir / "started.json"
+    start = json.loads(started.read_text()) if started.is_file() else {}
+    return {
+        "arm": run.arm,
+        "seed": run.seed,
+        "overrides": comparable(run.overrides),
+        "protocol": start.get("protocol", stamp),  # the stamp the run started under
+        "started": start.get("started"),
+        "finished": now(),
+        "summary": json.loads((run.dir / "summary.json").read_text()),
+        "metrics": compact(read_metrics(run.dir / "metrics.jsonl")),
+    }
+
+
+def load_records(folder: Path) -> list[dict[str, Any]]:
+    """Every record under `folder` (an experiment's), in path order."""
+    return [read_record(p) for p in sorted(folder.glob("*/seed*.json.gz"))]

@@ -1,0 +1,234 @@
+"""Committed run records, protocol registration, resuming from records on another machine, the pilot's
+gate, primary endpoints, censored collapses and the power calculation."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from otbrl.app.studies import power, runs
+from otbrl.app.studies.experiment import Experiment, load_experiment, plan
+from otbrl.app.studies.outcomes import analyse, analyse_rows
+from otbrl.app.studies.records import (
+    ProtocolChanged,
+    compact,
+    protocol,
+    protocol_hash,
+    read_record,
+    record_path,
+    register,
+    write_record,
+)
+
+
+def _rows(rewards: list[float], tokens: float = 100.0, heldout: dict[int, float] | None = None) -> list[dict]:
+    out = []
+    for i, r in enumerate(rewards):
+        t = tokens * (i + 1)
+        row = {"step": i + 1, "generated_tokens": t, "reward": r, "grad_norm": 1.0, "clipped": False,
+               "prompts_sha": f"p{i}", "otb/horizon/length_cv": 0.4 + 0.01 * i, "loss": 0.5,
+               "epoch": 0.1}  # fmt: skip
+        due = [b for b in (heldout or {}) if t - tokens < b <= t]
+        if due:
+            row.update(heldout_reward=heldout[due[0]], heldout_budgets=due)
+        out.append(row)
+    return out
+
+
+def test_compact_keeps_what_the_analysis_reads_and_records_are_byte_stable(tmp_path) -> None:
+    rows = _rows([0.1, 0.2], heldout={200: 0.3})
+    kept = compact(rows)
+    assert "loss" not in kept[0] and "epoch" not in kept[0]
+    assert kept[1]["heldout_reward"] == 0.3 and kept[0]["otb/horizon/length_cv"] == 0.4
+    a, b = tmp_path / "a.json.gz", tmp_path / "b.json.gz"
+    write_record(a, {"metrics": kept})
+    write_record(b, {"metrics": kept})
+    assert a.read_bytes() == b.read_bytes() and read_record(a) == {"metrics": kept}
+
+
+def test_protocol_is_registered_once_and_a_change_needs_an_amendment(tmp_path) -> None:
+    raw = {"recipe": "walk", "seeds": [0, 1], "arms": {"a": {"learning_rate": 1e-4}}, "description": "x"}
+    reg = register(tmp_path, protocol(raw), None)
+    assert reg["hash"] == protocol_hash(protocol(raw)) and reg["amendments"] == []
+    # the description is not protocol: changing it changes nothing
+    assert register(tmp_path, protocol({**raw, "description": "y"}), None)["amendments"] == []
+    changed = protocol({**raw, "seeds": [0, 1, 2]})
+    with pytest.raises(ProtocolChanged, match="keys seeds"):
+        register(tmp_path, changed, None)
+    reg = register(tmp_path, changed, None, amend="more seeds from the power calculation")
+    assert [a["changed"] for a in reg["amendments"]] == [["seeds"]]
+    assert register(tmp_path, changed, None)["amendments"][0]["reason"].startswith("more seeds")
+    # the pilot's protocol leaves out what the pilot decides: the rates it picks, the seeds it sizes
+    assert protocol(raw, "pilot") == protocol({**raw, "seeds": [5], "arms": {"a": {"learning_rate": 3.0}}},
+                                              "pilot")  # fmt: skip
+
+
+def _fake_train(calls: list[str]):
+    def train(recipe: str, run: runs.Run) -> tuple[int, str]:
+        calls.append(f"{run.arm}/{run.seed}")
+        run.dir.mkdir(parents=True, exist_ok=True)
+        rng = random.Random(f"{run.arm}{run.seed}")
+        rewards = [0.3 + 0.02 * i + 0.01 * rng.random() for i in range(12)]
+        rows = _rows(rewards, heldout={600: rewards[-1], 1200: rewards[-1]})
+        runs.write_metrics(run.dir / "metrics.jsonl", rows)
+        (run.dir / "summary.json").write_text(json.dumps({"held-out reward before": 0.3,
+                                                          "held-out reward after": rewards[-1]}))  # fmt: skip
+        (run.dir / "run.json").write_text(json.dumps(run.overrides))
+        return 0, ""
+
+    return train
+
+
+def test_runs_resume_from_committed_records_on_another_machine(tmp_path, monkeypatch) -> None:
+    exp = load_experiment("walk")
+    runs_a = plan(exp, tmp_path / "machine_a")[:3]
+    records = tmp_path / "results" / "runs" / "walk"
+    calls: list[str] = []
+    monkeypatch.setattr(runs, "_train", _fake_train(calls))
+    stamp = {"hash": "abc", "kind": "main"}
+    quiet = lambda _: None  # noqa: E731
+    assert runs.execute("walk", "walk", runs_a[:2], jobs=1, log=quiet, records=records, stamp=stamp) == []
+    assert len(calls) == 2
+    rec = read_record(record_path(records, runs_a[0].arm, runs_a[0].seed))
+    assert rec["protocol"] == stamp and rec["started"] and "output_dir" not in rec["overrides"]
+    # another machine: no run directories, only the committed records; it trains the missing run alone
+    runs_b = plan(exp, tmp_path / "machine_b")[:3]
+    runs.execute("walk", "walk", runs_b, jobs=1, log=lambda _: None, records=records, stamp=stamp)
+    assert calls == [calls[0], calls[1], f"{runs_b[2].arm}/{runs_b[2].seed}"]
+    result = analyse(exp, runs_b, records)
+    assert sum(len(v) for v in result["runs"].values()) == 3 and result["protocols"] == {"abc": 3}
+
+
+def test_primary_endpoint_alone_decides_and_secondaries_cannot_veto(tmp_path) -> None:
+    comparisons = [{"name": "c", "kind": "better", "candidate": "a", "baseline": "b", "budgets": [200, 400],
+                    "primary": 400}]  # fmt: skip
+    exp = Experiment(name="t", recipe="demo", arms={"a": {}, "b": {}}, seeds=[0, 1, 2], smooth=1,
+                     thresholds=[0.9], comparisons=comparisons)  # fmt: skip
+    per_seed = [(0.05, 0.30, -0.02), (0.06, 0.35, 0.03), (0.07, 0.40, -0.01)]  # @400 gains; @200 noise
+    results = []
+    for seed, (gain, base, noise) in enumerate(per_seed):
+        for arm, h in (("a", {200: base + noise, 400: base + gain}), ("b", {200: base, 400: base})):
+            rows = _rows([0.3] * 5, heldout=h)
+            results.append((arm, seed, rows))
+    from otbrl.app.studies.outcomes import compare_arms
+
+    per_arm: dict = {}
+    for arm, seed, rows in results:
+        per_arm.setdefault(arm, []).append(analyse_rows(rows, {}, exp, seed, 1))
+    c = compare_arms(exp, comparisons[0], per_arm)
+    secondary, primary = c["heldout"]
+    assert primary["primary"] and not secondary["primary"]
+    assert primary["verdict"] == "held" and secondary["verdict"] == "inconclusive"
+    assert c["verdict"] == "held"  # without `primary`, the inconclusive @200 would make it inconclusive
+    del comparisons[0]["primary"]
+    assert compare_arms(exp, comparisons[0], per_arm)["verdict"] == "inconclusive"
+
+
+def test_a_run_that_ends_below_the_collapse_level_is_censored_not_counted(tmp_path) -> None:
+    exp = Experiment(name="t", recipe="demo", arms={"a": {}}, seeds=[0], smooth=2, collapse_steps=10)
+    late = analyse_rows(_rows([0.5] * 20 + [0.0] * 4), {}, exp)  # 3-4 steps below at the end: too few
+    assert late["collapse"] is None and late["censored"] and late["below_end_steps"] >= 3
+    fine = analyse_rows(_rows([0.5] * 24), {}, exp)
+    assert not fine["censored"] and fine["below_end_steps"] == 0
+    done = analyse_rows(_rows([0.5] * 10 + [0.0] * 14), {}, exp)
+    assert done["collapse"] is not None and not done["censored"]
+    # the horizon over the whole run, not only its first 10 steps
+    assert fine["length_cv_run"] == pytest.approx(sum(0.4 + 0.01 * i for i in range(24)) / 24)
+
+
+def _simulated_power(n: int, sd: float, floor: float, delta: float, sims: int = 4000) -> float:
+    from scipy import stats
+
+    rng = random.Random(0)
+    crit = stats.t.ppf(0.975, n - 1)
+    hits = 0
+    for _ in range(sims):
+        d = [rng.gauss(delta, sd) for _ in range(n)]
+        m = sum(d) / n
+        s = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1))
+        hits += m - crit * s / math.sqrt(n) > floor
+    return hits / sims
+
+
+@pytest.mark.parametrize(("n", "sd", "floor", "delta"), [(8, 0.04, -0.03, 0.0), (5, 0.05, 0.0, 0.06)])
+def test_power_against_a_simulation(n, sd, floor, delta) -> None:
+    assert power.power(n, sd, floor, delta) == pytest.approx(_simulated_power(n, sd, floor, delta), abs=0.03)
+
+
+def test_seeds_needed_is_the_fewest_with_enough_power() -> None:
+    n = power.seeds_needed(0.04, -0.03)
+    assert power.power(n, 0.04, -0.03) >= 0.8 > power.power(n - 1, 0.04, -0.03)
+    # the issue's numbers: SD 0.116 between seeds cannot resolve a 0.03 margin with 5 seeds
+    assert power.power(5, 0.116, -0.03) < 0.1 and power.seeds_needed(0.116, -0.03) > 100
+    # the plan's SD is an upper confidence limit: above the sample SD, more so with fewer differences
+    assert power.sd_upper([0.0, 0.1, 0.2]) > power.sd_upper([0.0, 0.1, 0.2] * 4) > 0.1 * 0.9
+
+
+def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
+    from otbrl.app.studies.compare import gate_problems
+    from otbrl.app.studies.experiment import pilot_plan
+
+    path = tmp_path / "g.yaml"
+    path.write_text(
+        "recipe: walk\nseeds: [0, 1]\n"
+        "pilot: {seed: 100, learning_rates: [1.0e-4, 2.0e-4], gate: {heldout_gain: 0.05, arms: {b: 0.15}}}\n"
+        "arms: {a: {learning_rate: 1.0e-4}, b: {learning_rate: 2.0e-4}}\n"
+    )
+    exp = load_experiment(str(path))
+    results = tmp_path / "results"
+    assert any("has not run" in p for p in gate_problems(exp, results))
+    records = results / "runs" / "g-pilot"
+    gains = {("a", 1e-4): 0.08, ("a", 2e-4): 0.0, ("b", 1e-4): 0.2, ("b", 2e-4): 0.10}
+    for run in pilot_plan(exp, tmp_path / "runs"):
+        arm, lr = run.arm.rpartition("@")[0], run.overrides["learning_rate"]
+        score = 0.5 if (arm, lr) in (("a", 1e-4), ("b", 2e-4)) else 0.2  # the pick: a 1e-4, b 2e-4
+        from otbrl.app.studies.records import comparable
+
+        write_record(record_path(records, run.arm, run.seed), {
+            "overrides": comparable(run.overrides), "metrics": _rows([score] * 8),
+            "summary": {"held-out reward before": 0.3,
+                        "held-out reward after": 0.3 + gains[(arm, lr)]}})  # fmt: skip
+    problems = gate_problems(exp, results)
+    assert problems == ["b: held-out gain +0.100 at its pick 0.0002 (needs ≥ 0.15)"]
+    gains[("b", 2e-4)] = 0.16
+    for run in pilot_plan(exp, tmp_path / "runs"):
+        p = record_path(records, run.arm, run.seed)
+        rec = read_record(p)
+        arm, lr = run.arm.rpartition("@")[0], run.overrides["learning_rate"]
+        rec["summary"]["held-out reward after"] = 0.3 + gains[(arm, lr)]
+        write_record(p, rec)
+    assert gate_problems(exp, results) == []
+    path.write_text(path.read_text().replace("b: {learning_rate: 2.0e-4}", "b: {learning_rate: 1.0e-4}"))
+    assert gate_problems(load_experiment(str(path)), results) == [
+        "b: the YAML's learning_rate is 0.0001, the pilot picked 0.0002"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("comparisons: [{name: c, candidate: a, baseline: a, budgets: [100], primary: 200}]",
+         "primary 200 is not one of its budgets"),
+        ("comparisons: [{name: c, candidate: a, baseline: a}]\npower: {seeds: 3}", "power calls for 3 seeds"),
+        ("pilot: {seed: 9, learning_rates: [1.0], gate: {arms: {a: 1}}}", "gate needs heldout_gain"),
+        ("pilot: {seed: 9, learning_rates: [1.0], variance_seeds: [0]}", "pilot seed 0 is also a reported"),
+    ],
+)  # fmt: skip
+def test_new_protocol_errors(tmp_path, extra, message) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"recipe: demo\nseeds: [0, 1]\narms: {{a: {{}}}}\n{extra}\n")
+    with pytest.raises(ValueError, match=message):
+        load_experiment(str(path))
+
+
+def test_packaged_gated_experiments_hold_enough_heldout_prompts() -> None:
+    from otbrl.app.studies.experiment import experiment_names
+
+    for name in experiment_names():
+        exp = load_experiment(name)
+        if exp.pilot and "gate" in exp.pilot:
+            for run in plan(exp, Path("x")):
+                assert run.overrides["eval_size"] >= 1024 and run.overrides.get("eval_before", True)
