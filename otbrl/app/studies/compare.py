@@ -410,7 +410,8 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
             problems.append(f"{arm}: the YAML's learning_rate is {own}, the pilot picked {lr:g}")
     if ok and exp.pilot.get("variance_seeds"):
         stage2 = variance_plan(exp, Path("runs/compare") / exp.name / "pilot", picks)
-        plans = power_plans(exp, stage2, records)
+        picked = [r for r in stage1 if r.overrides["learning_rate"] == picks.get(r.arm.rpartition("@")[0])]
+        plans = power_plans(exp, picked + stage2, records)
         need = [p["seeds"] for p in plans]
         if any(n is None for n in need) or not need:
             problems.append("the pilot's variance seeds are not all run, or call for more than 200 seeds")
@@ -487,14 +488,16 @@ def pilot_page(exp: Experiment, runs: list[Any], results: Path, command: str, lo
             + "\n\n" + markdown_table(["arm", "pick", "held-out @0", "held-out at the end", "gain", "needs",
                                        "gate"], gate_rows, aligned=False))  # fmt: skip
     if stage2:
-        plans = power_plans(exp, stage2, records)
+        picked = [r for r in runs if r.overrides["learning_rate"] == picks.get(r.arm.rpartition("@")[0])]
+        plans = power_plans(exp, picked + stage2, records)
         prow = [[p["name"], p["kind"], _k(p["budget"]), p["pilot_seeds"],
                  " ".join(f"{d:+.3f}" for d in p["diffs"]) or "—", _fmt(p["pilot_sd"]), _fmt(p["sd_planned"]),
                  f"{p['floor']:+g}", f"{p['delta']:+g}", p["seeds"] if p["seeds"] is not None else "> 200"]
                 for p in plans]  # fmt: skip
         target = plans[0]["target"] if plans else 0.8
         parts.append(
-            f"Power (variance seeds {exp.pilot['variance_seeds']}, each arm at its pick): paired differences "
+            f"Power (the pilot seed and variance seeds {exp.pilot['variance_seeds']}, each arm at its pick): "
+            "paired differences "
             "of held-out reward at each comparison's primary budget; the plan's SD is the upper 80% "
             "confidence limit of their SD; seeds: the fewest for which the verdict rule says held with "
             f"probability ≥ {target:g} when the true difference is δ ({exp.confidence:.0%} t interval above "

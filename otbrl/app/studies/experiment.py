@@ -52,6 +52,8 @@ from otbrl.app.studies.runs import Run
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 # An arm's keys that are the experiment's, not recipe overrides: its own seeds, ladder rungs and pilot rates
 ARM_KEYS = ("seeds", "ladder", "pilot_learning_rates")
+# A pilot's keys that are the experiment's; any other key of `pilot:` is a recipe override for its runs
+PILOT_KEYS = ("seed", "learning_rates", "token_factor", "gate", "variance_seeds", "power")
 
 
 @dataclass
@@ -81,6 +83,9 @@ class Experiment:
     collapse_steps: int = 10
     surge_factor: float = 3.0  # surge: smoothed pre-clip grad norm > factor x its trailing median
     power: dict[str, Any] | None = None  # the power calculation (from the pilot's variance)
+    # the phenomenon the claims are about, as it must show in the compared runs, e.g. {length_cv_run: 0.3}
+    # (the within-group length CV averaged over every step of every run); a verdict needs it
+    phenomenon: dict[str, float] = field(default_factory=dict)
     # not YAML keys: the parsed file (its protocol is hashed) and where it came from
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     source: Path | None = None
@@ -242,8 +247,7 @@ def pilot_plan(exp: Experiment, out: Path) -> list[Run]:
     if not exp.pilot:
         raise ValueError(f"experiment {exp.name}: no `pilot:` section")
     runs = []
-    extra = {k: v for k, v in exp.pilot.items()
-             if k not in ("seed", "learning_rates", "token_factor", "gate", "variance_seeds")}  # fmt: skip
+    extra = {k: v for k, v in exp.pilot.items() if k not in PILOT_KEYS}
     for arm in exp.arms:
         budget = {**exp.common, **(exp.arms[arm] or {})}.get("max_generated_tokens")
         if budget and "token_factor" in exp.pilot:  # the pilot's budget, as a multiple of the arm's
@@ -257,8 +261,7 @@ def pilot_plan(exp: Experiment, out: Path) -> list[Run]:
 def variance_plan(exp: Experiment, out: Path, picks: dict[str, float]) -> list[Run]:
     """The pilot's second stage: every arm at its picked rate on each of the pilot's `variance_seeds`
     (named arm@lr like the first stage), whose paired differences give the power calculation its SD."""
-    extra = {k: v for k, v in exp.pilot.items()
-             if k not in ("seed", "learning_rates", "token_factor", "gate", "variance_seeds")}  # fmt: skip
+    extra = {k: v for k, v in exp.pilot.items() if k not in PILOT_KEYS}
     return [_run(exp, out, arm, seed, {"learning_rate": float(picks[arm]), **extra},
                  f"{arm}@{float(picks[arm]):g}")
             for arm in exp.arms for seed in exp.pilot.get("variance_seeds", [])]  # fmt: skip
