@@ -62,7 +62,7 @@ class StepClock(TrainerCallback):
 class OwnForward(OTBGRPOTrainer):
     """OTB with TRL's old-log-prob pass left alone: the energy takes its own no-grad forward."""
 
-    def _old_logps_pass_runs(self) -> bool:
+    def _tap_wanted(self) -> bool:
         return False
 
 

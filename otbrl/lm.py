@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -58,10 +58,15 @@ def predicting(outputs: torch.Tensor, n: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class HeadTransform:
     """What a model does to `hidden @ W.T + b` before sampling: multiply by `scale`, then soft-cap
-    (`softcap * tanh(z / softcap)`, when set). Dividing by the temperature comes after both."""
+    (`softcap * tanh(z / softcap)`, when set). Dividing by the temperature comes after both.
+
+    `origin` says where it came from: "declared" (built by hand, for a bare head), "config" (read by
+    `head_transform`, unverified: a model can do more than its config says) or "checked" (returned by
+    `check_head`, verified against the model's own logits). `head_energy` refuses "config"."""
 
     scale: float = 1.0
     softcap: float | None = None
+    origin: str = field(default="declared", compare=False)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V) raw head outputs -> (..., V) the model's logits (a new tensor only when needed)."""
@@ -82,15 +87,20 @@ def _number(name: str, value: Any, owner: str) -> float:
 
 
 def head_transform(model_or_config: Any) -> HeadTransform:
-    """The head transform a model's config declares. Recognised, as in TRL's fused head: Gemma-2/3
-    `final_logit_softcapping`; a multiplier `logit_scale` (Cohere), `output_multiplier` or
+    """The head transform a model's config declares (unverified: `check_head` verifies it). Recognised,
+    as in TRL's fused head: Gemma-2/3 `final_logit_softcapping`, and RecurrentGemma's `logits_soft_cap`
+    (which TRL 1.16 does not read); a multiplier `logit_scale` (Cohere), `output_multiplier` or
     `lm_head_multiplier` (Falcon-H1); `logits_scaling`, which Granite and MiniCPM3 divide by and
     HyperCLOVA X multiplies by. The first multiplier found wins, as in the models themselves."""
     config = getattr(model_or_config, "config", model_or_config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     owner = type(model_or_config).__name__
-    softcap = getattr(text, "final_logit_softcapping", None)
-    softcap = None if softcap is None else _number("final_logit_softcapping", softcap, owner)
+    softcap = None
+    for name in ("final_logit_softcapping", "logits_soft_cap"):
+        value = getattr(text, name, None)
+        if value is not None:
+            softcap = _number(name, value, owner)
+            break
     scale = 1.0
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
         value = getattr(text, name, None)
@@ -102,7 +112,7 @@ def head_transform(model_or_config: Any) -> HeadTransform:
         if value is not None:
             value = _number("logits_scaling", value, owner)
             scale = value if getattr(text, "model_type", None) == "hyperclovax" else 1.0 / value
-    return HeadTransform(scale=scale, softcap=softcap)
+    return HeadTransform(scale=scale, softcap=softcap, origin="config")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -229,8 +239,16 @@ def head_energy(
     A linear head with no soft-capping stays fused (`otbrl.fused_token_stats`, no (tokens x vocabulary)
     logits): a scale s only changes the temperature, softmax(s z / T) = softmax(z / (T / s)). Soft-capping
     is not linear, so those logits are formed one row tile at a time; so are those of a head that is not a
-    plain linear layer (e.g. with a PEFT adapter), through the head module itself."""
+    plain linear layer (e.g. with a PEFT adapter), through the head module itself.
+
+    `transform` must be verified (from `check_head(model)`) or declared by hand for a bare head; one read
+    from a config by `head_transform` is refused, as the model may do more than its config says."""
     check_temperature(temperature)
+    if not isinstance(transform, HeadTransform) or transform.origin == "config":
+        raise ValueError(
+            "transform: expected a HeadTransform verified by otbrl.lm.check_head(model) (or one declared "
+            "for a bare head), not one read from a config by head_transform, which nothing has checked"
+        )
     shape = tokens.shape
     h, y = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
     if not _is_plain_linear(head):
@@ -263,14 +281,17 @@ def completion_energy(
     *,
     rows: int | None = None,
     from_logits: bool = False,
+    transform: HeadTransform | None = None,
 ) -> torch.Tensor:
     """(B, n) float32 energy of the last n tokens of `input_ids` (B, L) under the distribution the model
     samples from at `temperature`, each token scored with everything before it visible (as far as
     `attention_mask` (B, L) allows: keep tool output in it). Zero where the attention mask is 0.
 
     One no-grad call of the whole model per `rows` rows (default: all). The default path reads the final
-    hidden states and applies the output head itself (`head_energy`); `from_logits` uses the model's own
-    logits instead, for a model whose head otbrl does not rebuild (see `check_head`)."""
+    hidden states and applies the output head itself (`head_energy`) with `transform`, which defaults to
+    `check_head(model)` (one short forward first: a head otbrl does not recognise is refused); pass the
+    transform check_head returned to skip that probe on later calls. `from_logits` uses the model's own
+    logits instead, for a model whose head otbrl does not rebuild."""
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(
             f"attention_mask: shape {tuple(attention_mask.shape)} does not match input_ids "
@@ -279,7 +300,8 @@ def completion_energy(
     check_temperature(temperature)
     rows = rows or max(1, input_ids.shape[0])
     head = base_model(model).get_output_embeddings()
-    transform = head_transform(base_model(model))
+    if not from_logits and transform is None:
+        transform = check_head(model)
     out = []
     # As sampled: no dropout (a training-mode forward would score a random perturbation of the policy).
     was_training = model.training
@@ -362,13 +384,16 @@ def check_head(model: Any, length: int = 8) -> HeadTransform:
         handle.remove()
         ran_in = ran[0] if ran and ran[0] is not None else out.logits.dtype
         with _head_precision(head, param, ran_in):
-            ours = transform(_rebuilt_logits(head, hidden).float())
+            try:
+                ours = transform(_rebuilt_logits(head, hidden).float())
+            except RuntimeError as err:  # e.g. a head that takes something other than the hidden states
+                _refuse(base, f"{transform}; rebuilding its logits failed: {err}")
     finally:
         handle.remove()
         model.train(was_training)
     theirs = out.logits.float()
     _compare(base, transform, ours, theirs, 2e-2 if ran_in in HALF or param.dtype in HALF else 1e-4)
-    return transform
+    return replace(transform, origin="checked")
 
 
 def _compare(
@@ -383,8 +408,12 @@ def _compare(
         error = (ours - theirs).abs().max().item() / max(1.0, theirs.abs().max().item())
         why += f", relative error {error:.2g} > {tol:g}"
     if not error <= tol:  # also catches NaN
-        raise ValueError(
-            f"model: {type(base).__name__}'s logits are not what otbrl rebuilds from its hidden states and "
-            f"output head ({why}): its head does something otbrl does not recognise, so its energy would "
-            f"come from a different distribution; {WAY_OUT}"
-        )
+        _refuse(base, why)
+
+
+def _refuse(base: Any, why: str) -> None:
+    raise ValueError(
+        f"model: {type(base).__name__}'s logits are not what otbrl rebuilds from its hidden states and "
+        f"output head ({why}): its head does something otbrl does not recognise, so its energy would "
+        f"come from a different distribution; {WAY_OUT}"
+    )

@@ -224,7 +224,7 @@ def test_trl_tool_tokens_get_no_energy_and_no_advantage(tmp_path) -> None:
         def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
             out = super()._generate_and_score_completions(inputs)
             Probe.inputs = inputs
-            rewards = self._rewards_per_func.sum(dim=1)
+            rewards = self._scoring.rewards_per_func.sum(dim=1)
             self.seen.append((out, rewards, self.last_energy, self.last_advantages))
             return out
 

@@ -103,11 +103,12 @@ def test_guarded_reward_logs_the_first_failure_and_retries_each_sample_once(capl
     assert GuardedReward(guarded) is guarded  # the trainer's own wrapping keeps these settings and counts
     with caplog.at_level("WARNING", logger="otbrl.rewards"):
         got = guarded(prompts=["p"] * 4, completions=["ab", "bad", "abc", "a"], answer=["x"] * 4)
-        assert got == [2.0, 0.0, 3.0, 1.0]
+        assert got == [2.0, None, 3.0, 1.0]  # a failed sample is left unscored, never given 0
+        assert guarded.last_failed == [1]
         assert seen == [4, 1, 1, 1, 1]  # the batch, then each sample once
         assert guarded.failures == 1 and guarded.scored == 4
         got = guarded(prompts=["p"] * 4, completions=["bad", "ab", "ab", "ab"], answer=["x"] * 4)
-        assert got == [0.0, 2.0, 2.0, 2.0]
+        assert got == [None, 2.0, 2.0, 2.0] and guarded.last_failed == [0]
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 1, logged  # the first failure only; later ones are counted
     assert "KeyError: 'no answer in bad'" in logged[0] and "completion 'bad'" in logged[0]
@@ -128,7 +129,7 @@ def test_guarded_reward_stops_the_run_when_a_whole_batch_or_too_many_samples_fai
         return [math.nan if c == "x" else 1.0 for c in completions]
 
     guarded = GuardedReward(nan_half, max_failure_fraction=0.3)
-    assert guarded(prompts=["p"] * 4, completions=["x", "y", "y", "y"]) == [0.0, 1.0, 1.0, 1.0]
+    assert guarded(prompts=["p"] * 4, completions=["x", "y", "y", "y"]) == [None, 1.0, 1.0, 1.0]
     with pytest.raises(RewardFailure, match=r"failed on 3 of 8 samples \(more than max_failure_fraction 0.3\)"
                                             r"; first failure: returned nan"):  # fmt: skip
         guarded(prompts=["p"] * 4, completions=["x", "x", "y", "y"])
@@ -136,3 +137,4 @@ def test_guarded_reward_stops_the_run_when_a_whole_batch_or_too_many_samples_fai
         GuardedReward(nan_half, max_failure_fraction=0)
     none = GuardedReward(lambda prompts, completions, **kw: [None] * len(prompts))
     assert none(prompts=["p"], completions=["c"]) == [None] and none.failures == 0
+    assert none.last_failed == []  # not applicable is no failure

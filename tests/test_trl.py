@@ -474,12 +474,15 @@ def test_failing_reward_functions(tmp_path):
 
     completions = [c for cs, _ in trainer.scored for c in cs]
     per_func = torch.cat([r for _, r in trainer.scored])
-    assert not torch.isnan(per_func).any()
     bad_sum = torch.tensor([_bad_sum(c) for c in completions])
     bad_len = torch.tensor([_bad_len(c) for c in completions])
     assert bad_sum.any() and bad_len.any() and (~bad_sum).any() and (~bad_len).any()
-    assert (per_func[bad_sum, 0] == 0).all() and (per_func[~bad_sum, 0] >= 1).all()
-    assert (per_func[bad_len, 1] == 0).all() and (per_func[~bad_len, 1] > 0).all()
+    # a failed sample is left unscored (NaN in TRL's table), never given reward 0
+    assert per_func[bad_sum, 0].isnan().all() and (per_func[~bad_sum, 0] >= 1).all()
+    assert per_func[bad_len, 1].isnan().all() and (per_func[~bad_len, 1] > 0).all()
+    # and a row where any function failed is in no group: zero advantages
+    advantages = torch.cat([torch.nn.functional.pad(a, (0, 8 - a.shape[1])) for a in trainer.advantages])
+    assert (advantages[bad_sum | bad_len] == 0).all()
     assert counts["raised"] == int(bad_sum.sum()) and counts["nan"] == int(bad_len.sum())
 
     logged = _logged(trainer, "otb/reward_failures")  # a running total, logged once per step

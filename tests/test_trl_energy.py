@@ -226,7 +226,8 @@ def test_importance_ratios_become_is_weights(tmp_path, monkeypatch, level):
 
         def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
             out = super()._generate_and_score_completions(inputs)
-            self.seen.append((out, self._rewards_per_func.clone(), self.last_energy, self.last_advantages))
+            rewards = self._scoring.rewards_per_func.clone()
+            self.seen.append((out, rewards, self.last_energy, self.last_advantages))
             return out
 
     trainer = make_trainer(make_config(tmp_path, max_steps=1), cls=Probe)
@@ -322,11 +323,10 @@ def test_vision_inputs_are_refused_on_the_forward_path():
     it is refused with the way out (TRL's old-log-prob pass sees them)."""
     from types import SimpleNamespace
 
-    args = SimpleNamespace(energy_from_logits=False)
-    trainer = SimpleNamespace(_sampled_energy=None, _tapped=None, args=args)
+    trainer = SimpleNamespace()
     out = {"pixel_values": torch.zeros(1, 3, 4, 4), "completion_ids": torch.zeros(1, 2, dtype=torch.long)}
     with pytest.raises(ValueError, match=r"vision inputs \(pixel_values\).*num_iterations > 1"):
-        OTBGRPOTrainer._batch_energy(trainer, out, torch.ones(1, 2))
+        OTBGRPOTrainer._forward_energy(trainer, out, torch.ones(1, 2))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ class RecordingTrainer(OTBGRPOTrainer):
             "prompt_ids": out["prompt_ids"].cpu(),
             "mask": out["completion_mask"].cpu(),
             "energy": self._energy.cpu(),
-            "rewards_per_func": self._rewards_per_func.cpu(),
+            "rewards_per_func": self._scoring.rewards_per_func.cpu(),
             "reward_weights": self.reward_weights.cpu(),
             "advantages": out["advantages"].cpu(),
             "last_is_out": self.last_advantages is out["advantages"],

@@ -40,11 +40,14 @@ class LengthDecayCallback(TrainerCallback, ExportableState):
     With TRL's plain GRPOTrainer pass it in `callbacks=[LengthDecayCallback(...)]` (and set
     restore_callback_states_from_checkpoint=True): it reads completions/mean_length in `on_log`, after
     the Trainer has recorded the logs, so its entries reach later callbacks but not state.log_history.
+    OTBGRPOTrainer creates it with `driven=True` and feeds it from its own `log()` instead, before the logs
+    are recorded; `on_log` then does nothing, so each step is observed along one path only.
     The decay itself lives in the optimizer's and scheduler's state (otbrl.stability.scale_learning_rate),
     so a resumed run keeps its decayed LR even without this callback."""
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, driven: bool = False, **options: Any) -> None:
         self.decay = LengthSurgeDecay(**options)
+        self.driven = driven  # a trainer calls `observe` itself (OTBGRPOTrainer.log)
         self.last_step = -1  # the global step last observed: one observation per step
 
     @property
@@ -58,7 +61,8 @@ class LengthDecayCallback(TrainerCallback, ExportableState):
         self.decay.load_state_dict(value)
 
     def state(self) -> dict:
-        return {"args": dict(self.decay.config), "attributes": {"decay_state": self.decay_state}}
+        args = {**self.decay.config, "driven": self.driven}  # a resume rebuilds the callback from these
+        return {"args": args, "attributes": {"decay_state": self.decay_state}}
 
     def observe(
         self, step: int, mean_length: float | None, grad_surge: bool, optimizer: Any, lr_scheduler: Any
@@ -74,7 +78,8 @@ class LengthDecayCallback(TrainerCallback, ExportableState):
         }
 
     def on_log(self, args, state, control, logs=None, optimizer=None, lr_scheduler=None, **kwargs):  # noqa: ANN001, ANN201
-        if logs is not None and "completions/mean_length" in logs and optimizer is not None:
+        ready = logs is not None and "completions/mean_length" in logs and optimizer is not None
+        if ready and not self.driven:
             logs.update(self.observe(
                 state.global_step, logs["completions/mean_length"], bool(logs.get("otb/grad_norm_surge")),
                 optimizer, lr_scheduler,

@@ -1,7 +1,8 @@
-"""Reward functions under guard: a sample whose reward fails costs that sample, not the run, but failures
-are loud. The first failure of each function is logged with its exception and the sample; a function
-that cannot take TRL's keyword arguments, that fails on every sample of a batch, or on more than a set
-fraction of all samples stops the run with `RewardFailure`."""
+"""Reward functions under guard: a sample whose reward fails costs that sample, not the run, but failures are
+loud. A failed sample is left unscored (None), never given a made-up reward. The first failure of each
+function is logged with its exception and the sample; a function that cannot take TRL's keyword arguments,
+that fails on every sample of a batch, or on more than a set fraction of all samples stops the run with
+`RewardFailure`."""
 
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ def _short(value: Any, limit: int = 160) -> str:
 
 
 class GuardedReward:
-    """A reward function whose failures cost one sample each: an exception or a NaN/inf value gives that
-    sample reward 0 and is counted (`failures`, over `scored` samples). None passes through (TRL: not
-    applicable). A batch that fails is retried one sample at a time (each sample at most once) to find
-    the failing samples.
+    """A reward function whose failures cost one sample each: an exception or a NaN/inf value leaves that
+    sample unscored (None, which TRL reads as NaN) and is counted (`failures`, over `scored` samples); the
+    positions of the latest call's failures are in `last_failed`, so that OTBGRPOTrainer can take such a
+    row out of its group (a reward of 0 would be trained on and pull its peers' baseline toward 0). None
+    from the function passes through (TRL: not applicable). A batch that fails is retried one sample at a
+    time (each sample at most once) to find the failing samples.
 
     The run stops (`RewardFailure`) when the function's signature cannot take the keyword arguments it
     is called with, when every sample of a batch fails, or when failures exceed `max_failure_fraction` of
@@ -54,6 +57,7 @@ class GuardedReward:
         functools.update_wrapper(self, fn)
         self.fn, self.max_failure_fraction = fn, max_failure_fraction
         self.failures, self.scored, self.calls = 0, 0, 0
+        self.last_failed: list[int] = []  # positions that failed in the latest call
         self.first_failure: str | None = None
         self.name = getattr(fn, "__name__", type(fn).__name__)
         try:
@@ -92,8 +96,9 @@ class GuardedReward:
             value = self._value(v)
             if isinstance(value, _Failed):
                 failed.append((i, value.why))
-                value = 0.0
+                value = None
             out.append(value)
+        self.last_failed = [i for i, _ in failed]
         self._account(failed, prompts, completions)
         return out
 
@@ -127,8 +132,8 @@ class GuardedReward:
         if self.first_failure is None:
             self.first_failure = f"{why} (sample: {sample})"
             logger.warning(
-                "otbrl: reward function %s failed: %s; sample: %s (such samples get reward 0; later "
-                "failures are counted in otb/reward_failures)", self.name, why, sample,
+                "otbrl: reward function %s failed: %s; sample: %s (such samples are left unscored; "
+                "later failures are counted in otb/reward_failures)", self.name, why, sample,
             )  # fmt: skip
         if len(failed) == n:
             raise RewardFailure(
