@@ -44,15 +44,27 @@ def test_local_model_directory_loads(tmp_path):
         load_model({"model": "./nowhere"}, log=lambda *_: None)
 
 
-def test_untested_trl_version_is_refused(monkeypatch):
+def test_newer_trl_warns_and_older_trl_is_refused(monkeypatch):
+    """A TRL newer than the tested range imports with one warning naming the range; an older one, which
+    lacks what the adapter uses, is refused."""
     import trl
 
-    monkeypatch.setattr(trl, "__version__", "1.99.0")
+    monkeypatch.setattr(trl, "__version__", "1.18.2")
     monkeypatch.delitem(sys.modules, "otbrl.integrations.trl", raising=False)
-    with pytest.raises(ImportError, match=r"tested with trl>=1.16,<1.17 .* found trl 1.99.0"):
+    with pytest.warns(UserWarning, match=r"tested with trl>=1.16,<1.17 .* found trl 1.18.2, not tested"):
+        module = importlib.import_module("otbrl.integrations.trl")
+    assert module.OTBGRPOTrainer is not None
+    monkeypatch.setattr(trl, "__version__", "1.15.0")
+    monkeypatch.delitem(sys.modules, "otbrl.integrations.trl", raising=False)
+    with pytest.raises(ImportError, match=r"needs trl>=1.16 .* found trl 1.15.0"):
         importlib.import_module("otbrl.integrations.trl")
     monkeypatch.undo()
-    importlib.import_module("otbrl.integrations.trl")
+    monkeypatch.delitem(sys.modules, "otbrl.integrations.trl", raising=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        importlib.import_module("otbrl.integrations.trl")  # the tested version says nothing
 
 
 def test_rewards_read_chat_completions_boxed_answers_and_gsm8k_solutions():
