@@ -431,3 +431,85 @@ def test_half_precision_tolerance_still_refuses_a_small_change():
         model.lm_head.weight.mul_(SHARPEN)
     with pytest.raises(ValueError, match="Slightly.*relative error"):
         check_head(model)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# every public energy function is right or refuses (issue 24 item 4)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _recurrent_gemma(cap: float = 5.0) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, lru_width=32, attention_window_size=16, conv1d_width=4,
+        block_types=["recurrent", "attention"], logits_soft_cap=cap, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    model = transformers.RecurrentGemmaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(SHARPEN)
+    return model
+
+
+def test_recurrent_gemmas_logit_cap_is_read():
+    """RecurrentGemma soft-caps its logits with `logits_soft_cap` (not Gemma-2's field name): the energy
+    used to be the uncapped distribution's (relative error ~0.99 with a cap of 5)."""
+    model = _recurrent_gemma()
+    assert head_transform(model) == HeadTransform(1.0, 5.0)
+    ids, attention = _batch(model, prompt=6, n=5)
+    attention = torch.ones_like(attention)  # no left padding: its recurrent blocks do not mask
+    ids[0, :3] = 5
+    expected = model_reference(model, ids, attention, 5, TEMPERATURE)
+    got = completion_energy(model, ids, attention, 5, TEMPERATURE)
+    torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=1e-7)
+    assert check_head(model).origin == "checked"
+
+
+class SlicedVocab(transformers.Qwen2ForCausalLM):
+    """A head that keeps only the first 40 logits (as Inkling's unpadded_vocab_size does)."""
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits[..., :40]
+        return out
+
+
+class HalvedHidden(transformers.Qwen2ForCausalLM):
+    """A head that divides the hidden states before the projection (a muP width multiplier)."""
+
+    def forward(self, *args, logits_to_keep=0, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        out = self.model(*args, **kwargs)
+        hidden = out.last_hidden_state if logits_to_keep == 0 else out.last_hidden_state[:, -logits_to_keep:]
+        return transformers.modeling_outputs.CausalLMOutputWithPast(logits=self.lm_head(hidden / 2.0))
+
+
+@pytest.mark.parametrize("cls", [SlicedVocab, HalvedHidden, ScaledQwen2])
+def test_unusual_heads_are_refused_by_every_energy_function(cls):
+    """completion_energy checks the head as the trainer does: an unusual head gets the friendly refusal
+    (never a shape error, never another distribution's energy), and the way out works."""
+    torch.manual_seed(0)
+    model = cls(transformers.Qwen2Config(**COMMON)).eval()
+    ids, attention = _batch(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)).eval())
+    with pytest.raises(ValueError, match=f"{cls.__name__}.*energy_from_logits"):
+        completion_energy(model, ids, attention, 5, TEMPERATURE)
+    if cls is not SlicedVocab:  # the sampled ids may lie beyond the 40 logits kept
+        expected = model_reference(model, ids, attention, 5, TEMPERATURE)
+        got = completion_energy(model, ids, attention, 5, TEMPERATURE, from_logits=True)
+        torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=1e-7)
+
+
+def test_head_energy_takes_a_verified_or_declared_transform():
+    """head_energy refuses a transform read from a config (unverified); the one check_head returns, or
+    one declared by hand for a bare head, is accepted."""
+    model = family_model("gemma2")
+    ids, attention = _batch(model)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state[:, -7:-1]
+    with pytest.raises(ValueError, match="transform: .*check_head"):
+        head_energy(model.lm_head, head_transform(model), hidden, ids[:, -6:], TEMPERATURE)
+    checked = head_energy(model.lm_head, check_head(model), hidden, ids[:, -6:], TEMPERATURE)
+    declared = head_energy(model.lm_head, HeadTransform(1.0, 5.0), hidden, ids[:, -6:], TEMPERATURE)
+    torch.testing.assert_close(checked, declared, rtol=0, atol=0)
+    expected = model_reference(model, ids, attention, 6, TEMPERATURE)
+    torch.testing.assert_close(checked.double(), expected, rtol=2e-5, atol=1e-7)
