@@ -121,10 +121,13 @@ def test_sleeping_process_hits_the_wall_clock_limit():
     assert result.limit_hit == "timeout" and result.duration_s < 3
 
 
-def test_cpu_limit_kills_with_sigxcpu():
+def test_cpu_limit_stops_the_run():
     result = _run("while True:\n    pass", timeout_s=10, cpu_s=1)
-    assert result.limit_hit == "cpu" and result.exit_code == -signal.SIGXCPU
-    assert result.duration_s < 5
+    assert result.limit_hit == "cpu" and result.duration_s < 5
+    if result.cpu_used_s is not None:  # the call's CPU accounting: the supervisor stopped it
+        assert result.exit_code is None and 1 <= result.cpu_used_s < 1.5
+    else:  # per-process RLIMIT_CPU, confirmed by the kernel's rusage of the process
+        assert result.exit_code == -signal.SIGXCPU
 
 
 def test_memory_bomb_hits_the_memory_limit():
@@ -134,10 +137,11 @@ def test_memory_bomb_hits_the_memory_limit():
             chunks.append(bytearray(16 * 1024 * 1024))
     """
     result = _run(code, memory_mb=128)
-    assert result.limit_hit == "memory" and result.exit_code != 0
+    assert result.exit_code != 0
+    assert result.limit_hit == ("memory" if _memcg(result) else None)
     if _memcg(result):  # the kernel's OOM killer ended it, and counted the kill
         assert result.exit_code == -signal.SIGKILL and result.memory_peak_mb <= 128
-    else:  # RLIMIT_AS: the allocation failed inside Python
+    else:  # RLIMIT_AS: the allocation failed inside Python; no kernel counter reports it
         assert "MemoryError" in result.stderr
 
 

@@ -13,7 +13,14 @@ memory controller is enabled, else the v1 memory hierarchy. v1: under this proce
 v2: under the root when this process is in it, else beside this process's cgroup (v2 lets no cgroup
 with member processes hand memory to children, so not under our own). Where none is writable (an
 unprivileged user, a container with a read-only /sys/fs/cgroup), `create` says why and the sandbox
-falls back to per-process rlimits. Stdlib only.
+falls back to per-process rlimits.
+
+Beside the memory cgroup, each call gets (`create_call`) a pids cgroup, so one process and thread count
+bounds the call and the kernel counts each refused fork (`pids.events`), and CPU accounting (v1
+`cpuacct.usage`, v2 `cpu.stat`), so the supervisor can hold all of the call's processes to one CPU
+budget. On cgroup v2 one directory does all three; on v1 each controller has its own hierarchy (a
+directory per hierarchy, made once where controllers are mounted together). `$OTBRL_SANDBOX_CGROUP`
+may list several directories separated by os.pathsep (one per v1 hierarchy). Stdlib only.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ class Usage:
     oom_kills: int  # processes of the call the kernel killed for going over the budget
     limit_reached: bool  # the call's memory reached the budget at least once (then reclaim or OOM)
     peak_bytes: int | None  # the most the call held at once (None: kernel < 5.19 on v2)
+    forks_refused: int | None = None  # forks and thread creations the pids cgroup refused (None: none)
+    cpu_s: float | None = None  # CPU time used by all of the call's processes (None: no accounting)
 
 
 class MemoryCgroup:
@@ -154,14 +163,195 @@ def create(limit_bytes: int) -> tuple[MemoryCgroup | None, str]:
 
 
 def leftovers(pid: int | None = None) -> list[str]:
-    """Per-call cgroups of process `pid` (default: this one) that still exist."""
-    if _parent is None or isinstance(_parent, str):
-        return []
+    """Per-call cgroups of process `pid` (default: this one) that still exist, in every hierarchy."""
+    parents = [p for p in (_parent, *(_others or {}).values()) if p is not None and not isinstance(p, str)]
     mark = f"{PREFIX}{os.getpid() if pid is None else pid}-"
+    found = set()
+    for parent, _ in parents:
+        try:
+            found |= {os.path.join(parent, d) for d in os.listdir(parent) if d.startswith(mark)}
+        except OSError:
+            pass
+    return sorted(found)
+
+
+class Cgroup:
+    """A per-call cgroup directory of one v1 hierarchy (or the call's v2 directory) for pids or CPU."""
+
+    def __init__(self, path: str, version: int) -> None:
+        self.path, self.version = path, version
+
+    @property
+    def procs_file(self) -> str:
+        return os.path.join(self.path, "cgroup.procs")
+
+    def read(self, name: str) -> str:
+        with open(os.path.join(self.path, name)) as f:
+            return f.read()
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in self.read("cgroup.procs").split()]
+        except OSError:
+            return []
+
+
+class CallCgroups:
+    """The cgroups of one call: memory, pids and CPU accounting, each None where unavailable (then
+    `missing` says why, per controller). `procs_files` are what the call's first process joins."""
+
+    def __init__(self) -> None:
+        self.memory: MemoryCgroup | None = None
+        self.pids: Cgroup | None = None
+        self.cpu: Cgroup | None = None
+        self.missing: dict[str, str] = {}
+        self._dirs: list[Cgroup | MemoryCgroup] = []  # distinct directories, to kill and remove
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [d.procs_file for d in self._dirs]
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time of every process of the call so far, from the kernel's accounting."""
+        if self.cpu is None:
+            return None
+        try:
+            if self.cpu.version == 1:
+                return int(self.cpu.read("cpuacct.usage")) / 1e9
+            return _keyed(self.cpu.read("cpu.stat"))["usage_usec"] / 1e6
+        except (OSError, KeyError, ValueError):
+            return None
+
+    def usage(self) -> Usage:
+        mem = self.memory.usage() if self.memory is not None else Usage(0, False, None)
+        refused = None
+        if self.pids is not None:
+            refused = _keyed(self.pids.read("pids.events")).get("max", 0)
+        return Usage(mem.oom_kills, mem.limit_reached, mem.peak_bytes, refused, self.cpu_seconds())
+
+    def kill(self) -> None:
+        for d in self._dirs:
+            if isinstance(d, MemoryCgroup):
+                d.kill()
+            else:
+                kill_until_gone(d.pids)
+
+    def remove(self) -> list[str]:
+        """rmdir every directory (killing what is left in it); the paths that could not be removed."""
+        failed = []
+        for d in self._dirs:
+            if isinstance(d, MemoryCgroup):
+                ok = d.remove()
+            else:
+                ok = MemoryCgroup(d.path, d.version).remove()  # the same rmdir-and-kill loop
+            if not ok:
+                failed.append(d.path)
+        return failed
+
+
+_others: dict[str, tuple[str, int] | str] | None = None  # "pids", "cpu" -> (directory, version) or why
+
+
+def create_call(limit_bytes: int, max_tasks: int) -> CallCgroups:
+    """The cgroups of one call: memory limited to `limit_bytes` (see `create`), pids limited to
+    `max_tasks` processes and threads, and CPU accounting. Never raises: what is missing is in
+    `.missing`."""
+    global _others
+    call = CallCgroups()
+    call.memory, why = create(limit_bytes)
+    if call.memory is None:
+        call.missing["memory"] = why
+    else:
+        call._dirs.append(call.memory)
+    with _lock:
+        if _others is None:
+            _others = _find_others(_parent)
+            for found in _others.values():
+                if not isinstance(found, str):
+                    _sweep(found[0])
+    made: dict[str, Cgroup] = {}  # parent directory -> the call's directory there
+    if call.memory is not None:
+        made[os.path.dirname(call.memory.path)] = Cgroup(call.memory.path, call.memory.version)
+    for name in ("pids", "cpu"):
+        found = _others[name]
+        if isinstance(found, str):
+            call.missing[name] = found
+            continue
+        parent, version = found
+        group = made.get(parent)
+        if group is None:
+            path = os.path.join(parent, f"{PREFIX}{os.getpid()}-{next(_counter)}")
+            try:
+                os.mkdir(path)
+            except OSError as e:
+                call.missing[name] = f"cannot create {path}: {e.strerror}"
+                continue
+            group = made[parent] = Cgroup(path, version)
+            call._dirs.append(group)
+        if name == "pids":
+            try:
+                with open(os.path.join(group.path, "pids.max"), "w") as f:
+                    f.write(str(max_tasks))
+            except OSError as e:
+                call.missing[name] = f"cannot set pids.max in {group.path}: {e.strerror}"
+                continue
+        setattr(call, name, group)
+    return call
+
+
+def _find_others(memory: tuple[str, int] | str | None) -> dict[str, tuple[str, int] | str]:
+    """Where the pids and CPU-accounting cgroups of a call go: beside the memory one on v2 (the same
+    directory: one cgroup for the call), else in the v1 pids and cpuacct hierarchies, under this
+    process's own cgroup there, or in the directories `$OTBRL_SANDBOX_CGROUP` lists."""
+    found: dict[str, tuple[str, int] | str] = {}
+    if memory is not None and not isinstance(memory, str) and memory[1] == 2:
+        parent = memory[0]
+        found["cpu"] = (parent, 2)  # cpu.stat is in every v2 cgroup, no controller needed
+        try:
+            with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                pids = "pids" in f.read().split()
+        except OSError:
+            pids = False
+        found["pids"] = (parent, 2) if pids else f"cgroup v2: pids is not in {parent}/cgroup.subtree_control"
+        return found
+    explicit = os.environ.get(ENV_PARENT)
+    files = {"pids": "pids.max", "cpu": "cpuacct.usage"}
+    if explicit:
+        for name, marker in files.items():
+            listed = explicit.split(os.pathsep)
+            path = next((p for p in listed if os.path.exists(os.path.join(p, marker))), None)
+            if path is None:
+                found[name] = f"${ENV_PARENT} lists no v1 directory with {marker}"
+            elif not os.access(path, os.W_OK):
+                found[name] = f"cgroup v1: {path} is not writable"
+            else:
+                found[name] = (path, 1)
+        return found
     try:
-        return [os.path.join(_parent[0], d) for d in os.listdir(_parent[0]) if d.startswith(mark)]
+        mounts, own = _mounts(), _own_cgroups()
+    except OSError as e:
+        return dict.fromkeys(files, f"cannot read this process's cgroups ({e.strerror})")
+    for name, controller in (("pids", "pids"), ("cpu", "cpuacct")):
+        mount = next((m for m in mounts if m[2] == "cgroup" and controller in m[3].split(",")), None)
+        if mount is None or controller not in own:
+            found[name] = f"no v1 {controller} hierarchy is mounted, and no v2 memory cgroup is in use"
+            continue
+        here = _inside(mount[0], mount[1], own[controller])
+        if here is None:
+            found[name] = f"cgroup v1: own {controller} cgroup is outside the mount"
+        elif not os.access(here, os.W_OK):
+            found[name] = f"cgroup v1: {here} is not writable"
+        else:
+            found[name] = (here, 1)
+    return found
+
+
+def _try_enable(parent: str, controller: str) -> None:
+    try:
+        with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
+            f.write(f"+{controller}")
     except OSError:
-        return []
+        pass
 
 
 def _try_write(cgroup: MemoryCgroup, name: str, value: str) -> None:
@@ -195,10 +385,11 @@ def _keyed(text: str) -> dict[str, int]:
 def _find_parent() -> tuple[str, int] | str:
     explicit = os.environ.get(ENV_PARENT)
     if explicit:
-        if os.path.exists(os.path.join(explicit, "cgroup.controllers")):
-            return _usable_v2(explicit, enable=False)
-        if os.path.exists(os.path.join(explicit, "memory.limit_in_bytes")):
-            return _usable_v1(explicit)
+        for path in explicit.split(os.pathsep):
+            if os.path.exists(os.path.join(path, "cgroup.controllers")):
+                return _usable_v2(path, enable=False)
+            if os.path.exists(os.path.join(path, "memory.limit_in_bytes")):
+                return _usable_v1(path)
         return f"${ENV_PARENT}={explicit} is not a cgroup directory with the memory controller"
     mounts, own = _mounts(), _own_cgroups()
     reasons = []
@@ -237,6 +428,8 @@ def _usable_v2(parent: str, enable: bool) -> tuple[str, int] | str:
                 f.write("+memory")
         elif not enabled:
             return f"cgroup v2: memory is not in {parent}/cgroup.subtree_control"
+        if enable:  # best effort: without it the call has no pids cgroup, and says so
+            _try_enable(parent, "pids")
     except OSError as e:
         return f"cgroup v2: cannot use {parent} ({e.strerror})"
     if not os.access(parent, os.W_OK):

@@ -4,26 +4,42 @@ Started as `python -I -S _launcher.py CONFIG_JSON` in a fresh single-threaded pr
 fork/unshare/setuid are unsafe in a `preexec_fn` of a multi-threaded trainer. Stdlib only, and never
 imports `otbrl` (that would pull in torch). Process tree and protocol:
 
-    launcher   joins the call's memory cgroup, unshares namespaces (mount, net, pid, ipc, uts; plus user
-               when not root), builds the call's root filesystem on a fresh tmpfs
+    launcher   opens the call's cgroups (without joining them: the supervisor stays out of the call's
+               memory budget, so the OOM killer cannot take it), unshares namespaces (user, mount, net,
+               pid, ipc, uts; as root a helper outside writes the user namespace's uid map), builds the
+               call's root filesystem on a fresh tmpfs
       init     pid 1 of the new pid namespace: mounts /proc, pivots into the new root (the host's root
                is detached), reaps orphans, reports, and on exit the kernel kills every process left
                in the namespace (daemons, setsid'd children, ...)
-        user   drops to the per-call uid (root only), sets rlimits, execs `python -I main.py`
+        user   joins the call's cgroups, starts a session of its own, its own cgroup namespace and an
+               empty session keyring, sets the namespace limits of its user namespace to 0, drops to
+               the per-call uid (root only), sets rlimits and the seccomp policy (`_seccomp.py`), execs
+               `python -I main.py`
 
-Status lines go to the inherited pipe `status_fd`: "note <text>" (weaker isolation than intended),
-"error <text>" (setup failed), "memcg joined" (the memory cgroup holds the call) and
-"exit <wait status>" (the user process finished).
+Init and the launcher ignore the signals a job-control trick or `kill(0, ...)` could send them (HUP,
+INT, QUIT, TERM for init, USR1/2, ALRM, TSTP/TTIN/TTOU), and try `oom_score_adj=-1000`.
+
+Status lines go to the inherited pipe `status_fd`, which the code never holds (close-on-exec):
+"note <text>" (weaker isolation than intended), "error <text>" (setup failed), "cgroups joined" (the
+call's cgroups hold the code), "exit <wait status> <CPU seconds of the user process and its reaped
+children>" and "fsize reached" (a file in the working directory reached the file-size limit).
 """
 
 import ctypes
 import json
 import os
 import resource
+import shutil
 import signal
 import stat
 import sys
 import time
+
+if __package__:  # imported by sandbox.py (for RLIMIT_NOTE, processes_of_uid)
+    from otbrl.tools import _seccomp
+else:  # run as a script with -I, which leaves its own directory off sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _seccomp
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -35,16 +51,27 @@ CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
-PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
-# machine -> (AUDIT_ARCH_*, socket, io_uring_setup) syscall numbers for the fallback's seccomp filter
-SECCOMP_ARCH = {
-    "x86_64": (0xC000003E, 41, 425),
-    "aarch64": (0xC00000B7, 198, 425),
-    "riscv64": (0xC00000F3, 198, 425),
-}
 SYS_MOUNT_SETATTR = 442  # same number on x86_64 and aarch64
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
-AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 1
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219}
+KEYCTL_JOIN_SESSION_KEYRING = 1
+AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = -100, 0x8000, 1, 2
+# Signals the code could aim at init or the launcher (kill(0, ...), kill(1, ...), an orphaned process
+# group's SIGHUP): ignored there, and reset to the default in the code's process before exec.
+SUPERVISOR_IGNORES = (
+    signal.SIGHUP,
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+    signal.SIGTSTP,
+    signal.SIGTTIN,
+    signal.SIGTTOU,
+)
+# Every namespace limit of the sandbox's user namespace is set to 0 once the call's namespaces exist
+# (the user-namespace one is bubblewrap's --disable-userns); seccomp refuses new namespaces as well.
+NAMESPACE_LIMITS = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time")
 MNT_DETACH = 2
 # What a call sees of the host besides the interpreter's prefix, all read-only: the system's programs and
 # shared libraries (the interpreter and its extension modules link against them) and the loader's
@@ -67,7 +94,7 @@ SYSTEM_PATHS = (
 )
 
 # Used when namespaces are unavailable. An audit hook only stops Python-level sockets (ctypes can
-# still reach libc); it gives the clear message, the seccomp filter (`_deny_sockets`) the guarantee.
+# still reach libc); it gives the clear message, the seccomp policy (`_seccomp.py`) the guarantee.
 AUDIT_BOOTSTRAP = """
 import runpy, sys
 def _no_network(event, args):
@@ -106,20 +133,56 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def _unshare(root: bool) -> None:
-    # cgroup: the call's own cgroup (joined before) is its root, host cgroup paths stay hidden
-    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
-    if root:
-        _check(_libc.unshare(flags), "unshare")
-        return
-    # An unprivileged user gets the other namespaces through a user namespace in which it keeps its own
-    # uid; it holds capabilities there only until exec. RLIMIT_NPROC is then counted per user namespace
-    # (Linux >= 5.14), so the limit does not include the trainer's own processes.
+def _unshare(cfg: dict, say) -> bool:
+    """Unshare the call's namespaces; True when they include a user namespace of their own (then its
+    namespace limits can be set to 0 without touching the host's). The cgroup namespace is made later,
+    by the user process once it has joined the call's cgroups."""
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
     uid, gid = os.getuid(), os.getgid()
-    _check(_libc.unshare(flags | CLONE_NEWUSER), "unshare")
-    _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/uid_map", f"{uid} {uid} 1")
-    _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    if uid != 0:
+        # An unprivileged user gets the other namespaces through a user namespace in which it keeps
+        # its own uid; it holds capabilities there only until exec. RLIMIT_NPROC is then counted per
+        # user namespace (Linux >= 5.14), so the limit does not include the trainer's own processes.
+        _check(_libc.unshare(flags | CLONE_NEWUSER), "unshare")
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+        return True
+    # Root: root and the call's uid keep their host ids inside. Only a process outside the new user
+    # namespace may write such a map, so a helper forked before the unshare writes it.
+    mapping = f"0 0 1\n{cfg['uid']} {cfg['uid']} 1\n"
+    go_r, go_w = os.pipe()
+    helper = os.fork()
+    if helper == 0:
+        os.close(go_w)
+        code = 1
+        try:
+            if os.read(go_r, 1) == b"1":
+                for name in ("uid_map", "gid_map"):
+                    _write(f"/proc/{os.getppid()}/{name}", mapping)
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(go_r)
+    if _libc.unshare(flags | CLONE_NEWUSER) != 0:
+        err = ctypes.get_errno()
+        os.write(go_w, b"0")
+        os.close(go_w)
+        os.waitpid(helper, 0)
+        why = os.strerror(err)
+        say("note", f"no user namespace for the call ({why}): its namespace limits stay the host's")
+        _check(_libc.unshare(flags), "unshare")
+        return False
+    os.write(go_w, b"1")
+    os.close(go_w)
+    if os.waitstatus_to_exitcode(os.waitpid(helper, 0)[1]) != 0:
+        raise SystemExit(_fail(say, "cannot write the uid map of the call's user namespace"))
+    return True
+
+
+def _fail(say, text: str) -> int:
+    say("error", text)
+    return 70
 
 
 def _bind_into(root: str, path: str) -> None:
@@ -179,9 +242,9 @@ def _build_root(cfg: dict) -> str:
     os.makedirs(root + cfg["workdir"], 0o755)  # its parent holds the script
     open(root + cfg["script"], "w").close()
     _mount(cfg["script"], root + cfg["script"], None, MS_BIND)
-    attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
     ret = _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, root.encode(), AT_RECURSIVE, ctypes.byref(attr), 32)
-    _check(ret, "mount_setattr read-only")
+    _check(ret, "mount_setattr read-only, nosuid")
     owner = cfg["uid"] if cfg["uid"] is not None else os.getuid()
     group = cfg["uid"] if cfg["uid"] is not None else os.getgid()
     opts = f"mode=0700,uid={owner},gid={group},size={cfg['disk_kb']}k,nr_inodes={cfg['max_inodes']}"
@@ -203,82 +266,79 @@ def _enter_root(root: str, say) -> None:
     os.chdir("/")
 
 
-class _SockFilter(ctypes.Structure):
-    _fields_ = [
-        ("code", ctypes.c_uint16),
-        ("jt", ctypes.c_uint8),
-        ("jf", ctypes.c_uint8),
-        ("k", ctypes.c_uint32),
-    ]
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
-
-
-def _deny_sockets() -> None:
-    """Without namespaces: a seccomp filter makes socket() fail with EACCES for every address family,
-    so neither the network nor a host unix socket can be reached, ctypes or not (the audit hook stops
-    Python-level sockets only). socketpair() (multiprocessing, asyncio) still works. io_uring, which
-    can open sockets on its own, and foreign syscall ABIs (32-bit int 0x80, x32) are refused too."""
-    arch, sys_socket, sys_io_uring_setup = SECCOMP_ARCH[os.uname().machine]
-    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
-    deny, allow = 0x00050000 | 13, 0x7FFF0000  # SECCOMP_RET_ERRNO | EACCES, SECCOMP_RET_ALLOW
-    program = [  # (code, jump if true, jump if false, k); jumps count from the next instruction
-        (ld, 0, 0, 4),  # seccomp_data.arch
-        (jeq, 0, 5, arch),
-        (ld, 0, 0, 0),  # seccomp_data.nr
-        (jge, 3, 0, 0x40000000),  # the x32 ABI's numbers
-        (jeq, 2, 0, sys_socket),
-        (jeq, 1, 0, sys_io_uring_setup),
-        (ret, 0, 0, allow),
-        (ret, 0, 0, deny),
-    ]
-    insns = (_SockFilter * len(program))(*(_SockFilter(*i) for i in program))
-    fprog = _SockFprog(len(program), insns)
-    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0), "seccomp")
-
-
-def _join_cgroup(cfg: dict, say) -> bool:
-    """Move this (not yet isolated) launcher into the call's memory cgroup; its children inherit it."""
-    if cfg["cgroup_procs"] is None:
-        return False
-    try:
-        _write(cfg["cgroup_procs"], str(os.getpid()))
-    except OSError as e:
-        if cfg["require_isolation"]:
-            say("error", f"cannot join the memory cgroup: {e}")
-            os._exit(70)
-        say("note", f"cannot join the memory cgroup ({e}): {RLIMIT_NOTE}")
-        return False
-    say("memcg", "joined")
-    return True
-
-
 RLIMIT_NOTE = (
     "memory_mb bounds each process's address space only (RLIMIT_AS); memfd files, shared memory and "
-    "several processes can together hold more"
+    "several processes can together hold more, and a MemoryError from that limit is not reported in "
+    "limit_hit"
 )
 
 
-def _exec_user(cfg: dict, isolated: bool, memcg: bool, say) -> None:
+def _join_cgroups(cfg: dict, fds: list[int], say) -> bool:
+    """Move this process (the code's, before exec) into the call's cgroups through descriptors the
+    launcher opened on the host: its children inherit them, init and the launcher stay outside."""
+    try:
+        for fd in fds:
+            os.write(fd, b"0")  # "0": the writing process itself
+    except OSError as e:
+        if cfg["require_isolation"]:
+            say("error", f"cannot join the call's cgroups: {e}")
+            os._exit(70)
+        say("note", f"cannot join the call's cgroups ({e}): {RLIMIT_NOTE}")
+        return False
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if fds:
+        say("cgroups", "joined")
+    return bool(fds)
+
+
+def _limit_namespaces(say) -> None:
+    """Set every namespace limit of the call's user namespace to 0 (bubblewrap's --disable-userns, for
+    all kinds): the code cannot create one even through a kernel bug in the seccomp policy's path."""
+    failed = []
+    for kind in NAMESPACE_LIMITS:
+        try:
+            _write(f"/proc/sys/user/max_{kind}_namespaces", "0")
+        except OSError as e:
+            if e.errno != 2:  # a kind this kernel lacks (time namespaces before 5.6)
+                failed.append(f"{kind}: {e.strerror}")
+    if failed:
+        say("note", f"could not set the namespace limits inside the sandbox to 0 ({'; '.join(failed)})")
+
+
+def _fresh_keyring(say) -> None:
+    """A new, empty session keyring: the caller's (inherited over fork) is no longer possessed."""
+    nr = SYS_KEYCTL.get(os.uname().machine)
+    if nr is None or _libc.syscall(nr, KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        say("note", "no fresh session keyring (key system calls are still refused by seccomp)")
+
+
+def _exec_user(cfg: dict, isolated: bool, userns: bool, cgroup_fds: list[int], say) -> None:
     uid = cfg["uid"]
-    try:  # over the budget the OOM killer takes the model's processes first, not init or the launcher
+    for sig in (*SUPERVISOR_IGNORES, signal.SIGTERM):  # an ignored signal would stay ignored past exec
+        signal.signal(sig, signal.SIG_DFL)
+    try:  # over the budget the OOM killer takes the model's processes first
         _write("/proc/self/oom_score_adj", "1000")  # before setuid, which makes /proc/self root's
     except OSError:
         pass
+    cgroups = _join_cgroups(cfg, cgroup_fds, say)
+    os.setsid()  # own session and process group: kill(0, ...) and job-control signals stay in the call
+    if isolated:
+        try:  # the call's own cgroup is the root of what it sees; host cgroup paths stay hidden
+            _check(_libc.unshare(CLONE_NEWCGROUP), "unshare cgroup namespace")
+        except OSError as e:
+            say("note", f"no cgroup namespace ({e})")
+    if userns:
+        _limit_namespaces(say)
     if uid is not None:  # root: a fresh uid of its own, so RLIMIT_NPROC binds and DAC protects files
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+    _fresh_keyring(say)  # after setuid: the new keyring belongs to the call's uid
     _prctl(PR_SET_NO_NEW_PRIVS, 1)  # no setuid binaries (su, ping, ...) regain privileges
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # set after setuid, which clears it
-    if not isolated and cfg.get("seccomp"):
-        try:  # needs no privilege, only PR_SET_NO_NEW_PRIVS (set above)
-            _deny_sockets()
-        except OSError as e:
-            say("note", f"no seccomp filter ({e}): ctypes can still open sockets")
-    cpu = cfg["cpu_s"]
+    cpu = cfg["rlimit_cpu"]
     mem = cfg["memory_mb"] * 1024 * 1024
     limits = [
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),
@@ -288,8 +348,8 @@ def _exec_user(cfg: dict, isolated: bool, memcg: bool, say) -> None:
     ]
     if isolated or uid is not None:  # else it would count all of the caller's processes: forks would fail
         limits.append((resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"])))
-    if not memcg:  # the cgroup's budget is the limit where there is one; an address-space cap is a
-        limits.append((resource.RLIMIT_AS, (mem, mem)))  # poor per-process stand-in (virtual, not RSS)
+    if not cgroups or not cfg["memcg"]:  # the cgroup's budget is the limit where there is one; an
+        limits.append((resource.RLIMIT_AS, (mem, mem)))  # address-space cap is a poor per-process stand-in
     for res, value in limits:
         resource.setrlimit(res, value)
     os.chdir(cfg["workdir"])
@@ -298,11 +358,28 @@ def _exec_user(cfg: dict, isolated: bool, memcg: bool, say) -> None:
         argv = [python, "-I", cfg["script"]]
     else:
         argv = [python, "-I", "-c", AUDIT_BOOTSTRAP, cfg["script"]]
+    try:  # last: everything above may use calls the policy refuses (unshare, keyctl)
+        _seccomp.install(fallback=not isolated)
+    except OSError as e:
+        if cfg["require_isolation"]:
+            say("error", f"no seccomp policy: {e}")
+            os._exit(70)
+        say("note", f"no seccomp policy ({e}): keys, new namespaces, raw sockets and bpf are not refused")
     os.execve(python, argv, cfg["env"])
 
 
-def _init(cfg: dict, root: str | None, memcg: bool, say) -> None:
+def _ignore_signals() -> None:
+    for sig in SUPERVISOR_IGNORES:
+        signal.signal(sig, signal.SIG_IGN)
+    try:  # where allowed (CAP_SYS_RESOURCE): the OOM killer's last choice. It is outside the call's
+        _write("/proc/self/oom_score_adj", "-1000")  # memory cgroup anyway, so that OOM cannot take it
+    except OSError:
+        pass
+
+
+def _init(cfg: dict, root: str | None, userns: bool, cgroup_fds: list[int], say) -> None:
     isolated = root is not None
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the launcher's SIGKILL ends init
     if isolated:
         _enter_root(root, say)
     else:
@@ -311,22 +388,25 @@ def _init(cfg: dict, root: str | None, memcg: bool, say) -> None:
     child = os.fork()
     if child == 0:
         try:
-            _exec_user(cfg, isolated, memcg, say)
+            _exec_user(cfg, isolated, userns, cgroup_fds, say)
         except BaseException as e:  # noqa: BLE001 - report anything, the parent must never hang
             say("error", f"cannot start the interpreter as the sandbox user: {e}")
         os._exit(71)
+    for fd in cgroup_fds:
+        os.close(fd)
     while True:  # reap orphans too, so zombies do not count against RLIMIT_NPROC
         try:
-            pid, status = os.waitpid(-1, 0)
+            pid, status, usage = os.wait4(-1, 0)
         except ChildProcessError:
             break
-        if pid == child:
-            say("exit", str(status))
+        if pid == child:  # its CPU time, its reaped children's included: the fallback's CPU report
+            say("exit", f"{status} {usage.ru_utime + usage.ru_stime:.3f}")
             break
 
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
+    _ignore_signals()
     cfg = json.loads(sys.argv[1])
     status_fd = cfg["status_fd"]
     os.set_inheritable(status_fd, False)  # closed at the user's exec: the code cannot fake a status
@@ -335,27 +415,40 @@ def main() -> None:
         os.write(status_fd, f"{kind} {' '.join(text.split())}\n".encode())
 
     os.umask(0o022)  # the new root's directories must be traversable by the sandbox's uid
-    memcg = _join_cgroup(cfg, say)  # first: a cgroup is joined by host path, before the pivot
-    root = None
+    cgroup_fds = []
+    for path in cfg["cgroup_procs"]:  # opened by host path, before the pivot; joined by the code only
+        try:
+            cgroup_fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+        except OSError as e:
+            if cfg["require_isolation"]:
+                os._exit(_fail(say, f"cannot open the call's cgroup {path}: {e}"))
+            say("note", f"cannot open the call's cgroup {path} ({e})")
+    root, userns = None, False
     try:
         if not cfg["namespaces"]:
             raise OSError("disabled by the caller")
-        _unshare(os.geteuid() == 0)
+        userns = _unshare(cfg, say)
         root = _build_root(cfg)
     except OSError as e:
+        if root is None and userns:  # unshared, but no root could be built: nothing safe to fall back to
+            os._exit(_fail(say, f"cannot build the sandbox's root: {e}"))
         if cfg["require_isolation"]:
-            say("error", f"namespace isolation unavailable: {e}")
-            os._exit(70)
-        cfg["seccomp"] = os.uname().machine in SECCOMP_ARCH
-        sockets = (
-            "socket() is refused by a seccomp filter"
-            if cfg["seccomp"]
-            else "sockets are blocked by an audit hook only (ctypes can bypass it)"
-        )
+            os._exit(_fail(say, f"namespace isolation unavailable: {e}"))
+        if os.geteuid() == 0:
+            uncontained = (
+                "files it leaves in world-writable directories other than /tmp, /var/tmp and /dev/shm "
+                "(whose files of the call's uid are removed afterwards) outlive the call"
+            )
+        else:
+            uncontained = (
+                "files it leaves in world-writable directories and processes it starts in a new session "
+                "outlive the call, it can signal the caller's processes, and the process limit is not set"
+            )
         say(
             "note",
-            f"namespaces unavailable ({e}): no mount or pid isolation; {sockets}; the code may read "
-            "what the host lets any user read and write to world-writable directories",
+            f"namespaces unavailable ({e}): no mount, pid or IPC isolation. The code may read what the host "
+            f"lets any user read and write to world-writable directories; {uncontained}. socket() and SysV "
+            "IPC (and POSIX message queues) are refused by the seccomp policy",
         )
         if cfg["uid"] is not None and not _reachable(cfg["python"]):
             say(
@@ -367,16 +460,21 @@ def main() -> None:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a namespace-less run come back here to be killed
     pid = os.fork()
     if pid == 0:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
-            _init(cfg, root, memcg, say)
+            _init(cfg, root, userns, cgroup_fds, say)
         except BaseException as e:  # noqa: BLE001
             say("error", f"sandbox init failed: {e}")
         os._exit(0)  # as pid 1 of the namespace this kills every process still in it
     global _init_pid
     _init_pid = pid
-    os.close(status_fd)
-    _reap(pid, cfg["uid"] if root is None else None)
+    for fd in cgroup_fds:
+        os.close(fd)
+    _reap(pid)
+    if _file_at_limit(cfg["workdir"], cfg["fsize"]):
+        say("fsize", "reached")
+    os.close(status_fd)  # the supervisor's sign that the call is over
+    if root is None and cfg["uid"] is not None:
+        _sweep_uid(cfg["uid"])
     os._exit(0)
 
 
@@ -390,9 +488,8 @@ def _on_sigterm(signum, frame) -> None:
         os.kill(_init_pid, signal.SIGKILL)
 
 
-def _reap(init_pid: int, sweep_uid: int | None) -> None:
-    """Wait for init; then (no namespaces, root) kill and reap whatever still runs as the call's uid,
-    or (no namespaces, not root) reap what has already exited and leave."""
+def _reap(init_pid: int) -> None:
+    """Wait for init, reaping whatever else comes back here (orphans of a namespace-less run)."""
     global _init_pid
     while True:
         try:
@@ -401,9 +498,32 @@ def _reap(init_pid: int, sweep_uid: int | None) -> None:
             return
         if pid == init_pid:
             _init_pid = None
-            break
-    for _ in range(1000 if sweep_uid is not None else 1):
-        pids = processes_of_uid(sweep_uid) if sweep_uid is not None else []
+            return
+
+
+def _file_at_limit(workdir: str, fsize: int) -> bool:
+    """Whether a file in the working directory reached RLIMIT_FSIZE: the kernel's own record that a
+    write was cut (a file cannot grow past the limit), read after the code has stopped."""
+    count = 0
+    for top, _, files in os.walk(workdir):
+        for name in files:
+            count += 1
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_size >= fsize:
+                return True
+        if count > 100_000:  # the tmpfs bounds inodes; a host directory (fallback) might not
+            return False
+    return False
+
+
+def _sweep_uid(uid: int) -> None:
+    """Namespace-less, as root: kill and reap whatever still runs as the call's uid, then remove what
+    that uid left in the shared temporary directories."""
+    for _ in range(1000):
+        pids = processes_of_uid(uid)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -414,8 +534,23 @@ def _reap(init_pid: int, sweep_uid: int | None) -> None:
                 pass
         except ChildProcessError:
             if not pids:
-                return
+                break
         time.sleep(0.002)
+    for shared in ("/tmp", "/var/tmp", "/dev/shm"):
+        try:
+            entries = list(os.scandir(shared))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
 
 
 def processes_of_uid(uid: int) -> list[int]:

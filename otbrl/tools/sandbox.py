@@ -42,6 +42,7 @@ Pass `require_isolation=True` to get an error result instead of either fallback.
 from __future__ import annotations
 
 import json
+import math
 import os
 import selectors
 import shutil
@@ -72,12 +73,18 @@ PYTHON: str | None = None
 # interpreter whose shared libraries live elsewhere (e.g. Homebrew's) needs their directory here.
 READ_ONLY_PATHS: tuple[str, ...] = ()
 _NAMESPACES = True  # tests switch this off to exercise the namespace-less fallback
-_STDERR_HINTS = (  # best effort, where no kernel counter says it: how Python reports a limit it hit
-    ("MemoryError", "memory"),  # RLIMIT_AS, used only without a memory cgroup
-    ("Resource temporarily unavailable", "processes"),
-    ("File too large", "file_size"),
-    ("Too many open files", "open_files"),
-)
+# Upper bounds of the arguments: past them a limit stops meaning anything (memory_mb << 20 would wrap
+# in the kernel's 64-bit counters) or a call could fill the host's temporary directory.
+MAX_CODE_BYTES = 1 << 20
+MAX_TIMEOUT_S = 24 * 3600.0
+MAX_MEMORY_MB = 1 << 20  # 1 TiB
+MAX_OUTPUT_BYTES = 64 << 20
+MAX_PROCESSES = 1 << 16
+MAX_FILE_MB = 1 << 20
+MAX_OPEN_FILES = 1 << 20
+# How often the supervisor reads the call's CPU time: the budget's overshoot is at most this times the
+# number of CPUs the call runs on.
+_CPU_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -85,11 +92,14 @@ class ToolResult:
     """Outcome of one sandboxed run.
 
     `exit_code` is the process's exit status, negative for a signal (like `subprocess`), None when the
-    process was killed by the sandbox (timeout, output limit) or never started. `limit_hit` names the
-    limit that ended or hampered the run: None, "timeout", "cpu", "memory", "output", "processes",
-    "file_size" or "open_files". `error` is set only when the sandbox itself failed. `memory_peak_mb`
-    is the most memory the call held at once, all of its processes, memfds, shared memory and tmpfs
-    files together, as its memory cgroup counted it (None without one).
+    process was killed by the sandbox (timeout, output or CPU limit) or never started. `limit_hit` names
+    the limit that ended or hampered the run: None, "timeout", "cpu", "memory", "output", "processes"
+    or "file_size". Only the kernel and the supervisor set it -- the sandbox's timers, cgroup counters
+    (OOM kills, refused forks, CPU time), the size of the files left in the working directory -- never
+    anything the code prints or a signal it sends itself. `error` is set only when the sandbox itself
+    failed, and holds no text of the code's. `memory_peak_mb` is the most memory the call held at once,
+    all of its processes, memfds, shared memory and tmpfs files together, as its memory cgroup counted
+    it (None without one); `cpu_used_s` the CPU time of all its processes (None without accounting).
     """
 
     stdout: str
@@ -103,6 +113,7 @@ class ToolResult:
     max_output_bytes: int = 4096
     timeout_s: float = 0.0
     memory_peak_mb: float | None = None
+    cpu_used_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -142,7 +153,7 @@ def run_python(
     timeout_s: float = 5.0,
     memory_mb: int = 256,
     max_output_bytes: int = 4096,
-    cpu_s: int | None = None,
+    cpu_s: float | None = None,
     max_processes: int = 16,
     max_file_mb: int = 16,
     max_open_files: int = 64,
@@ -151,23 +162,24 @@ def run_python(
     """Run `code` as a script in a fresh sandbox (see the module docstring) and return what happened.
 
     `memory_mb` is the budget of the whole call (of each process where no memory cgroup is available);
-    `cpu_s` defaults to `ceil(timeout_s)`; `max_processes` counts every process and thread of the run;
-    `max_file_mb` bounds each file and (x4) the working directory. Thread-safe; never raises.
+    `cpu_s` (default: `timeout_s`) the CPU seconds of all of the call's processes together (of each
+    process without CPU accounting); `max_processes` counts every process and thread of the run;
+    `max_file_mb` bounds each file and (x4) the working directory. Every argument is checked before
+    anything runs. Thread-safe; never raises.
     """
     start = time.monotonic()
     try:
-        limits = (timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_open_files)
-        if not isinstance(code, str) or min(limits) <= 0:
-            raise ValueError("code must be a str and every limit positive")
+        limits = (timeout_s, memory_mb, max_output_bytes, cpu_s, max_processes, max_file_mb, max_open_files)
+        _check_arguments(code, *limits, require_isolation)
         with _uid_slot() as uid:
             return _run(
                 code,
                 uid,
                 start,
-                timeout_s,
+                float(timeout_s),
                 memory_mb,
                 max_output_bytes,
-                cpu_s or max(1, int(-(-timeout_s // 1))),
+                float(timeout_s if cpu_s is None else cpu_s),
                 max_processes,
                 max_file_mb,
                 max_open_files,
@@ -181,9 +193,61 @@ def run_python(
             None,
             time.monotonic() - start,
             error=f"{type(e).__name__}: {e}",
-            max_output_bytes=max_output_bytes,
-            timeout_s=timeout_s,
+            max_output_bytes=max_output_bytes if _is_int(max_output_bytes) and max_output_bytes > 0 else 4096,
+            timeout_s=float(timeout_s) if _is_number(timeout_s) else 0.0,
         )
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_arguments(
+    code, timeout_s, memory_mb, max_output_bytes, cpu_s, max_processes, max_file_mb, max_open_files, isolation
+) -> None:
+    """Raise TypeError or ValueError, one line naming the argument, for anything but a sane limit."""
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    # a cheap bound first (a character is at least one byte), then the real one
+    if len(code) > MAX_CODE_BYTES or len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES:
+        raise ValueError(f"code is longer than {MAX_CODE_BYTES} bytes (MAX_CODE_BYTES)")
+    for name, value in (("timeout_s", timeout_s), ("cpu_s", cpu_s)):
+        if name == "cpu_s" and value is None:
+            continue
+        if not _is_number(value):
+            raise TypeError(f"{name} must be a finite int or float (not a bool), got {value!r}")
+        if not 0 < value <= MAX_TIMEOUT_S:
+            raise ValueError(f"{name} must be > 0 and <= {MAX_TIMEOUT_S:g} seconds, got {value!r}")
+    for name, value, high in (
+        ("memory_mb", memory_mb, MAX_MEMORY_MB),
+        ("max_output_bytes", max_output_bytes, MAX_OUTPUT_BYTES),
+        ("max_processes", max_processes, MAX_PROCESSES),
+        ("max_file_mb", max_file_mb, MAX_FILE_MB),
+        ("max_open_files", max_open_files, MAX_OPEN_FILES),
+    ):
+        if not _is_int(value):
+            raise TypeError(f"{name} must be an int (not a bool or float), got {value!r}")
+        if not 1 <= value <= high:
+            raise ValueError(f"{name} must be between 1 and {high}, got {value!r}")
+    if not isinstance(isolation, bool):
+        raise TypeError(f"require_isolation must be a bool, got {isolation!r}")
+
+
+_MISSING_NOTES = {
+    "memory": f"no memory cgroup: {RLIMIT_NOTE}",
+    "pids": (
+        "no pids cgroup: max_processes is an RLIMIT_NPROC of the call's uid, and a fork or thread it "
+        "refuses is not reported in limit_hit"
+    ),
+    "cpu": (
+        "no cpu accounting cgroup: cpu_s bounds each process (RLIMIT_CPU), so several processes can "
+        "together use more"
+    ),
+}
 
 
 def _run(
@@ -193,23 +257,26 @@ def _run(
     timeout_s: float,
     memory_mb: int,
     cap: int,
-    cpu_s: int,
+    cpu_s: float,
     max_processes: int,
     max_file_mb: int,
     max_open_files: int,
     require_isolation: bool,
 ) -> ToolResult:
-    memcg, no_memcg = _cgroup.create(memory_mb << 20)
-    if memcg is None and require_isolation:
-        raise RuntimeError(f"no memory cgroup for a per-call budget: {no_memcg}")
-    notes = [] if memcg else [f"no memory cgroup ({no_memcg}): {RLIMIT_NOTE}"]
+    cgroups = _cgroup.create_call(memory_mb << 20, max_processes)
+    notes = [f"{_MISSING_NOTES[name]} ({why})" for name, why in cgroups.missing.items()]
+    if cgroups.missing and require_isolation:
+        cgroups.remove()
+        missing = "; ".join(f"no {name} cgroup: {why}" for name, why in cgroups.missing.items())
+        raise RuntimeError(f"isolation required, but {missing}")
     base = proc = usage = None
     status_r = -1
+    launcher_status = None
     try:
         base = tempfile.mkdtemp(prefix=f"otbrl-sandbox-{os.getpid()}-")  # pid: leak checks per trainer
         os.chmod(base, 0o711)  # the sandbox uid may reach main.py and work/, not list the directory
         script = os.path.join(base, "main.py")
-        with open(script, "w", encoding="utf-8") as f:
+        with open(script, "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(code)
         os.chmod(script, 0o644)
         workdir = os.path.join(base, "work")
@@ -219,6 +286,7 @@ def _run(
             os.chown(workdir, uid, uid)  # used as is only when namespaces (and its tmpfs) are unavailable
         python = os.path.realpath(PYTHON or getattr(sys, "_base_executable", None) or sys.executable)
         status_r, status_w = os.pipe()
+        has_pids = cgroups.pids is not None
         cfg = {
             "status_fd": status_w,
             "uid": uid,
@@ -227,17 +295,21 @@ def _run(
             "script": script,
             "workdir": workdir,
             "stage": os.path.join(base, "stage"),
-            "cgroup_procs": memcg.procs_file if memcg else None,
+            "cgroup_procs": cgroups.procs_files,
+            "memcg": cgroups.memory is not None,
             # not an ancestor of the call's directory: the launcher builds the new root's copy of it
             "extra_paths": [p for p in map(os.path.realpath, READ_ONLY_PATHS) if not _contains(p, base)],
             "namespaces": _NAMESPACES,
             "env": {**_ENV, "HOME": workdir, "TMPDIR": workdir},
-            "cpu_s": cpu_s,
+            # per process; with CPU accounting only a backstop past the call's budget
+            "rlimit_cpu": math.ceil(cpu_s) + (1 if cgroups.cpu is not None else 0),
             "memory_mb": memory_mb,
             "fsize": max_file_mb << 20,
             "nofile": max_open_files,
-            # the launcher and init share the user namespace's count when not root
-            "nproc": max_processes if uid is not None else max_processes + 2,
+            # RLIMIT_NPROC counts the launcher and init too when not root (one uid in the user
+            # namespace); with a pids cgroup it is only a backstop above it, so that the cgroup (which
+            # counts what it refuses) binds first
+            "nproc": max_processes + (0 if uid is not None else 2) + (2 if has_pids else 0),
             "disk_kb": 4 * max_file_mb << 10,
             "max_inodes": 4096,
             "require_isolation": require_isolation,
@@ -255,31 +327,33 @@ def _run(
             )
         finally:
             os.close(status_w)
-        out, err, status, killed_for = _collect(proc, status_r, start + timeout_s, cap)
+        cpu_budget = (cpu_s, cgroups.cpu_seconds) if cgroups.cpu is not None else None
+        out, err, status, killed_for = _collect(proc, status_r, start + timeout_s, cap, cpu_budget)
     finally:
         if proc is not None:
-            _kill_tree(proc, uid, memcg)
+            launcher_status = _kill_tree(proc, uid, cgroups)
         if status_r >= 0:
             os.close(status_r)
         if base is not None:
             _remove(base)
-        if memcg is not None:
-            try:
-                usage = memcg.usage()  # after the kill: the peak and the OOM count are final
-            except (OSError, ValueError) as e:
-                notes.append(f"could not read the memory cgroup's counters ({e})")
-            if not memcg.remove():
-                notes.append(f"could not remove the cgroup {memcg.path}")
-    return _result(out, err, status, killed_for, cap, time.monotonic() - start, timeout_s, notes, usage)
+        try:
+            usage = cgroups.usage()  # after the kill: the peak and the counters are final
+        except (OSError, ValueError, KeyError) as e:
+            notes.append(f"could not read the call's cgroup counters ({e})")
+        notes += [f"could not remove the cgroup {path}" for path in cgroups.remove()]
+    end = time.monotonic() - start
+    return _result(out, err, status, killed_for, cap, end, timeout_s, cpu_s, notes, usage, launcher_status)
 
 
 def _contains(ancestor: str, path: str) -> bool:
     return (path.rstrip("/") + "/").startswith(ancestor.rstrip("/") + "/")
 
 
-def _collect(proc: subprocess.Popen, status_r: int, deadline: float, cap: int):
+def _collect(proc: subprocess.Popen, status_r: int, deadline: float, cap: int, cpu_budget=None):
     """Read stdout/stderr (each kept up to `cap` bytes) and the launcher's status lines until the user
-    process has been reported finished, the deadline passes, or the output exceeds the cap."""
+    process has been reported finished, the deadline passes, the output exceeds the cap, or (with
+    `cpu_budget` = (seconds, read the call's CPU time)) the call's processes together used their CPU
+    budget."""
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     status = bytearray()
     killed_for = None
@@ -292,6 +366,12 @@ def _collect(proc: subprocess.Popen, status_r: int, deadline: float, cap: int):
             if remaining <= 0:
                 killed_for = "timeout"
                 break
+            if cpu_budget is not None:
+                used = cpu_budget[1]()
+                if used is not None and used >= cpu_budget[0]:
+                    killed_for = "cpu"
+                    break
+                remaining = min(remaining, _CPU_POLL_S)
             for key, _ in sel.select(remaining):
                 data = os.read(key.fd, 65536)
                 if key.fd == status_r:
@@ -336,48 +416,68 @@ def _result(
     cap: int,
     duration: float,
     timeout_s: float,
+    cpu_s: float,
     notes: list[str],
     usage: _cgroup.Usage | None,
+    launcher_status: int | None,
 ) -> ToolResult:
-    errors, exit_code, joined = [], None, False
+    """The report, from the launcher's status lines (written before the code ran, or by init and the
+    launcher, which the code cannot reach), the kernel's counters and the supervisor's own decisions.
+    Nothing the code wrote to stdout or stderr is read here."""
+    errors, exit_code, joined, own_cpu, fsize = [], None, False, None, False
     for line in status.splitlines():
         kind, _, text = line.partition(" ")
         if kind == "note":
             notes.append(text)
-        elif kind == "memcg":
+        elif kind == "cgroups":
             joined = True
         elif kind == "error":
             errors.append(text)
-        elif kind == "exit" and killed_for is None:
-            exit_code = os.waitstatus_to_exitcode(int(text))
+        elif kind == "fsize":
+            fsize = True
+        elif kind == "exit":
+            wait_status, _, cpu = text.partition(" ")
+            if killed_for is None:
+                exit_code = os.waitstatus_to_exitcode(int(wait_status))
+            own_cpu = float(cpu) if cpu else None
     truncated = len(out) > cap or len(err) > cap
     stdout = out[:cap].decode("utf-8", "replace")
     stderr = err[:cap].decode("utf-8", "replace")
-    usage = usage if joined else None  # a cgroup the launcher never joined counted nothing of the call
+    usage = usage if joined else None  # cgroups the code never joined counted nothing of the call
+    cpu_used = usage.cpu_s if usage is not None else None
     limit = killed_for
     if usage and usage.oom_kills and killed_for != "output":
         limit = "memory"  # the kernel killed for memory (before any timeout it may have caused)
     elif limit is None and usage and exit_code and usage.limit_reached:
         limit = "memory"  # the run failed after its memory reached the budget (an ENOMEM, say)
-    elif limit is None and exit_code == -signal.SIGXCPU:
-        limit = "cpu"
-    elif limit is None and exit_code:
-        hints = _STDERR_HINTS if usage is None else _STDERR_HINTS[1:]  # no RLIMIT_AS: no MemoryError
-        limit = next((name for hint, name in hints if hint in stderr), None)
+    elif limit is None and cpu_used is not None and cpu_used >= cpu_s:
+        limit = "cpu"  # the call's CPU time, counted by the kernel, reached the budget
+    elif limit is None and cpu_used is None and exit_code in (-signal.SIGXCPU, -signal.SIGKILL):
+        # no accounting: RLIMIT_CPU's signal counts only where the kernel's rusage shows the time spent
+        if own_cpu is not None and own_cpu >= math.ceil(cpu_s) - 0.05:
+            limit = "cpu"
+    if limit is None and usage and usage.forks_refused:
+        limit = "processes"  # the pids cgroup refused a fork or a thread (it counts each)
+    elif limit is None and fsize:
+        limit = "file_size"
     error = None
-    if errors or (killed_for is None and exit_code is None):
-        error = "; ".join(errors) or f"sandbox launcher failed: {stderr.strip()[-500:] or 'no status'}"
+    if errors:
+        error = "; ".join(errors)
+    elif killed_for is None and exit_code is None:  # no text of the code's: its stderr is not read
+        how = "" if launcher_status is None else f" (its exit status: {launcher_status})"
+        error = f"the sandbox's launcher ended without reporting the code's exit status{how}"
     peak = usage.peak_bytes / 2**20 if usage and usage.peak_bytes is not None else None
-    return ToolResult(
-        stdout, stderr, exit_code, limit, duration, truncated, error, tuple(notes), cap, timeout_s, peak
-    )
+    cpu_used = None if cpu_used is None else round(cpu_used, 3)
+    fields = (stdout, stderr, exit_code, limit, duration, truncated, error, tuple(notes), cap, timeout_s)
+    return ToolResult(*fields, peak, cpu_used)
 
 
-def _kill_tree(proc: subprocess.Popen, uid: int | None, memcg: _cgroup.MemoryCgroup | None) -> None:
+def _kill_tree(proc: subprocess.Popen, uid: int | None, cgroups: _cgroup.CallCgroups) -> int | None:
     """Stop the run and reap everything: SIGTERM asks the launcher to kill its init (a pid namespace dies
     with it; without namespaces the launcher kills what runs as the call's uid) and to reap it. SIGKILL
-    to the process group, to what is left in the cgroup and a uid sweep here are only the backstop for a
-    launcher that does not exit."""
+    to the process group, to what is left in the cgroups and a uid sweep here are only the backstop for
+    a launcher that does not exit. Returns the launcher's exit status if it had ended by itself."""
+    status = proc.poll()
     try:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=3)
@@ -390,10 +490,10 @@ def _kill_tree(proc: subprocess.Popen, uid: int | None, memcg: _cgroup.MemoryCgr
     finally:
         for stream in (proc.stdout, proc.stderr):
             stream.close()
-    if memcg is not None:
-        memcg.kill()
+    cgroups.kill()
     if uid is not None:
         _kill_uid(uid)
+    return status
 
 
 def _kill_uid(uid: int) -> None:

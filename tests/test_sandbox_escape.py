@@ -1,0 +1,546 @@
+"""Issue 23: ways out of the sandbox and ways to bend its report, as root and as an unprivileged user.
+
+Each scenario runs in a fresh interpreter (`_scenario`): as the caller (root here), and, when the caller
+is root, again as `nobody` with the system's interpreter, once with per-call cgroups delegated to it
+(`nobody+cgroups`: the way an unprivileged trainer is meant to run) and where it matters once without
+any (`nobody`: the call must then say in `notes` what it could not contain, and `require_isolation=True`
+must refuse). The interpreter imports `otbrl.tools` through a stub parent package, so it needs neither
+torch nor a venv the unprivileged user can read.
+
+A scenario is (setup, code, check): `setup` runs in that interpreter before the call (adding a key to
+its keyring, say) and may set `params`, which the code receives as `PARAMS`; `check` runs after it and
+sets `check` from what the host sees (is the key still there?). The code prints what its system calls
+returned: it is our test code, so its output is evidence here, never for the sandbox's own report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from otbrl.tools import run_python
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
+
+REPO = Path(__file__).resolve().parents[1]
+NOBODY = 65534
+# System-call numbers from the kernel's headers (asm/unistd_64.h; asm-generic/unistd.h for aarch64).
+NR = {
+    "x86_64": {"add_key": 248, "keyctl": 250, "unshare": 272, "clone": 56, "setns": 308, "bpf": 321,
+               "userfaultfd": 323, "perf_event_open": 298, "ptrace": 101, "shmget": 29, "clone3": 435},
+    "aarch64": {"add_key": 217, "keyctl": 219, "unshare": 97, "clone": 220, "setns": 268, "bpf": 280,
+                "userfaultfd": 282, "perf_event_open": 241, "ptrace": 117, "shmget": 194, "clone3": 435},
+}.get(platform.machine())  # fmt: skip
+needs_nr = pytest.mark.skipif(NR is None, reason=f"syscall numbers not listed for {platform.machine()}")
+
+RUNNER = r"""
+import dataclasses, json, os, sys, tempfile, types
+spec = json.loads(sys.stdin.read())
+pkg = types.ModuleType("otbrl")  # the package without its __init__ (torch): only otbrl.tools is needed
+pkg.__path__ = [os.path.join(spec["repo"], "otbrl")]
+sys.modules["otbrl"] = pkg
+from otbrl.tools import _cgroup, run_python, sandbox
+env = {"NR": spec["nr"], "sandbox": sandbox, "params": {}}
+exec(spec["setup"], env)
+code = "PARAMS = %r\n" % (env["params"],) + spec["code"]
+result = run_python(code, **spec["kwargs"])
+env["result"] = result
+exec(spec["check"], env)
+mark = f"otbrl-sandbox-{os.getpid()}-"
+left = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(mark)] + _cgroup.leftovers()
+print(json.dumps({**dataclasses.asdict(result), "check": env.get("check"), "leftovers": left}))
+"""
+
+
+def _delegated_cgroups() -> str | None:
+    """Per-controller v1 directories (memory, pids, cpuacct) made by root and handed to `nobody`, the
+    way a delegated subtree is set up; joined by os.pathsep for OTBRL_SANDBOX_CGROUP. None where this
+    machine has no such v1 controllers (then `nobody+cgroups` is skipped)."""
+    made = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for name in ("memory", "pids", "cpuacct"):
+            base = Path("/sys/fs/cgroup") / name
+            if name in controllers.split(",") and (base / "cgroup.procs").exists():
+                d = base / path.lstrip("/") / f"otbrl-test-nobody-{os.getpid()}"
+                d.mkdir(exist_ok=True)
+                for f in [d, *d.iterdir()]:
+                    os.chown(f, NOBODY, NOBODY)
+                made.append(str(d))
+    return os.pathsep.join(made) if len(made) == 3 else None
+
+
+@pytest.fixture(scope="module")
+def delegated():
+    if os.geteuid() != 0:
+        yield None
+        return
+    try:
+        found = _delegated_cgroups()
+    except OSError:
+        found = None
+    yield found
+    for d in (found or "").split(os.pathsep):
+        if d:
+            for _ in range(100):
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.05)
+
+
+WHO = ["caller", "nobody+cgroups"]
+
+
+def _scenario(who, delegated, code, *, setup="", check="", **kwargs) -> dict:
+    """Run one call as `who` in a fresh interpreter; the ToolResult's fields, `check` and `leftovers`."""
+    kwargs.setdefault("timeout_s", 10)
+    spec = {
+        "repo": str(REPO),
+        "nr": NR or {},
+        "setup": textwrap.dedent(setup),
+        "code": textwrap.dedent(code),
+        "check": textwrap.dedent(check),
+        "kwargs": kwargs,
+    }
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+    python, user = sys.executable, None
+    if who != "caller":
+        if os.geteuid() != 0:
+            pytest.skip("already unprivileged: the 'caller' case is the unprivileged run")
+        python, user = "/usr/bin/python3", NOBODY
+        if not os.access(python, os.X_OK):
+            pytest.skip("no system interpreter to run as nobody")
+        if who == "nobody+cgroups":
+            if delegated is None:
+                pytest.skip("no v1 memory, pids and cpuacct hierarchies to delegate here")
+            env["OTBRL_SANDBOX_CGROUP"] = delegated
+    proc = subprocess.run(
+        [python, "-I", "-c", RUNNER],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env=env,
+        user=user,
+        group=user,
+        extra_groups=[] if user is not None else None,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["leftovers"] == [], out["leftovers"]
+    return out
+
+
+def _assert_clean(out: dict) -> None:
+    """The sandbox itself did not fail, and no model text reached `error`."""
+    assert out["error"] is None, out
+
+
+# ---------------------------------------------------------------- 1. kernel keyrings
+
+KEY_SETUP = """
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    serial = libc.syscall(NR["add_key"], b"user", b"otbrl-host-key", b"secret", 6, -3)  # session keyring
+    assert serial > 0, ctypes.get_errno()
+    params = {"serial": serial}
+"""
+
+KEY_ATTACK = """
+    import ctypes, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    NR = PARAMS["nr"]
+    serial = PARAMS["serial"]
+    buf = ctypes.create_string_buffer(64)
+    for name, args in [
+        ("read", (NR["keyctl"], 11, serial, buf, 64)),              # KEYCTL_READ
+        ("update", (NR["keyctl"], 2, serial, b"pwned", 5)),         # KEYCTL_UPDATE
+        ("unlink", (NR["keyctl"], 9, serial, -3)),                  # KEYCTL_UNLINK from the session
+        ("add", (NR["add_key"], b"user", b"otbrl-planted", b"x", 1, -3)),
+        ("session", (NR["keyctl"], 0, -3, 0)),                      # KEYCTL_GET_KEYRING_ID
+    ]:
+        print(name, libc.syscall(*args), buf.value.decode(errors="replace") if name == "read" else "")
+"""
+
+KEY_CHECK = """
+    buf = ctypes.create_string_buffer(64)
+    n = libc.syscall(NR["keyctl"], 11, serial, buf, 64)
+    found = libc.syscall(NR["keyctl"], 10, -3, b"user", b"otbrl-host-key", 0)  # KEYCTL_SEARCH
+    planted = libc.syscall(NR["keyctl"], 10, -3, b"user", b"otbrl-planted", 0)
+    check = {"payload": buf.raw[: max(n, 0)].decode(), "linked": found == serial, "planted": planted > 0}
+    libc.syscall(NR["keyctl"], 9, serial, -3)
+    if planted > 0:
+        libc.syscall(NR["keyctl"], 9, planted, -3)
+"""
+
+
+@needs_nr
+@pytest.mark.parametrize("who", WHO)
+def test_the_callers_keyrings_are_out_of_reach(who, delegated):
+    setup = KEY_SETUP + '    params["nr"] = NR\n'
+    out = _scenario(who, delegated, KEY_ATTACK, setup=setup, check=KEY_CHECK)
+    _assert_clean(out)
+    calls = dict(line.split(" ", 2)[:2] for line in out["stdout"].splitlines())
+    assert all(int(v) == -1 for v in calls.values()), out["stdout"]  # every key syscall refused
+    assert "secret" not in out["stdout"]
+    assert out["check"] == {"payload": "secret", "linked": True, "planted": False}, out["check"]
+
+
+# ---------------------------------------------------------------- 2. nested namespaces, raw sockets
+
+NAMESPACE_ATTACK = """
+    import ctypes, os, socket
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    NR = PARAMS["nr"]
+    def show(name, ret):
+        print(name, "ok" if ret >= 0 else "refused")
+    CLONE_NEWUSER, CLONE_NEWNET, SIGCHLD = 0x10000000, 0x40000000, 17
+    pid = libc.syscall(NR["clone"], CLONE_NEWUSER | CLONE_NEWNET | SIGCHLD, 0, 0, 0, 0)
+    if pid == 0:
+        os._exit(0)
+    if pid > 0:
+        os.waitpid(pid, 0)
+    show("clone", pid)
+    show("clone3", libc.syscall(NR["clone3"], 0, 0))  # a null struct: refused before it is read
+    show("setns", libc.syscall(NR["setns"], os.open("/proc/self/ns/net", os.O_RDONLY), 0))
+    show("bpf", libc.syscall(NR["bpf"], 0, 0, 0))
+    show("userfaultfd", libc.syscall(NR["userfaultfd"], 1))  # UFFD_USER_MODE_ONLY: no privilege needed
+    attr = ctypes.create_string_buffer(128)
+    ctypes.memmove(attr, (1).to_bytes(4, "little") + (128).to_bytes(4, "little"), 8)  # software event
+    ctypes.memmove(ctypes.addressof(attr) + 40, (1 << 5 | 1 << 6).to_bytes(8, "little"), 8)  # user only
+    show("perf_event_open", libc.syscall(NR["perf_event_open"], attr, 0, -1, -1, 0))
+    show("ptrace", libc.syscall(NR["ptrace"], 0, 0, 0, 0))  # PTRACE_TRACEME
+    try:
+        open("/proc/sys/user/max_user_namespaces", "w").write("100")
+        print("raise limit ok")
+    except OSError:
+        print("raise limit refused")
+    print("userns limit", open("/proc/sys/user/max_user_namespaces").read().strip())
+    # the attack itself: a user namespace of its own, where a packet socket (whose receive ring no
+    # memory cgroup counts) and nf_tables are within reach
+    show("unshare", libc.unshare(CLONE_NEWUSER | CLONE_NEWNET))
+    for name, family, kind in [("packet", 17, socket.SOCK_RAW), ("raw", socket.AF_INET, socket.SOCK_RAW)]:
+        try:
+            socket.socket(family, kind, 0).close()
+            print(name, "ok")
+        except OSError:
+            print(name, "refused")
+"""
+
+
+@needs_nr
+@pytest.mark.parametrize("who", WHO)
+def test_no_new_namespaces_raw_sockets_or_kernel_interfaces(who, delegated):
+    out = _scenario(who, delegated, NAMESPACE_ATTACK, setup="params = {'nr': NR}")
+    _assert_clean(out)
+    lines = out["stdout"].splitlines()
+    assert "userns limit 0" in lines, out["stdout"]
+    refused = [line for line in lines if line.endswith("refused")]
+    assert len(refused) == len(lines) - 1, out["stdout"]  # everything but the limit line
+
+
+def test_ordinary_processes_threads_and_sockets_still_work():
+    code = """
+        import socket, subprocess, threading
+        t = threading.Thread(target=print, args=("thread",))
+        t.start(); t.join()
+        a, b = socket.socketpair()
+        a.send(b"pair"); print(b.recv(4).decode())
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1); print("tcp")
+        print(subprocess.run(["echo", "child"], capture_output=True, text=True).stdout.strip())
+    """
+    result = run_python(textwrap.dedent(code), timeout_s=20)
+    assert result.ok, result.to_text()
+    assert result.stdout.split() == ["thread", "pair", "tcp", "child"]
+
+
+# ---------------------------------------------------------------- 3. signals to the supervisor
+
+ORPHANED_GROUP = """
+    import os, signal, time
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # this process survives its own trick
+    # B, in our process group, stops a grandchild and exits while its parent A has moved to a group of
+    # its own: the kernel finds B's group orphaned with a stopped member and sends the whole group
+    # SIGHUP + SIGCONT -- the sandbox's own processes too, if they share that group.
+    a = os.fork()
+    if a == 0:
+        b = os.fork()
+        if b == 0:
+            if os.fork() == 0:
+                os.kill(os.getpid(), signal.SIGSTOP)
+                os._exit(0)
+            time.sleep(0.3)
+            os._exit(0)
+        os.setpgid(0, 0)
+        os.waitpid(b, 0)
+        time.sleep(0.5)
+        os._exit(0)
+    os.waitpid(a, 0)
+    time.sleep(0.2)
+    print("finished")
+"""
+
+KILL_AROUND = """
+    import os, signal, time
+    for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, signal.SIG_IGN)
+    for target in (0, 1, -1):
+        for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            try:
+                os.kill(target, s)
+            except OSError:
+                pass
+    time.sleep(0.5)
+    print("finished")
+"""
+
+
+@pytest.mark.parametrize("who", WHO)
+@pytest.mark.parametrize("code", [ORPHANED_GROUP, KILL_AROUND], ids=["orphaned-group-sighup", "kill-0-1-all"])
+def test_signals_cannot_reach_init_or_the_launcher(who, delegated, code):
+    out = _scenario(who, delegated, code)
+    _assert_clean(out)
+    assert out["exit_code"] == 0 and out["stdout"] == "finished\n", out
+
+
+OOM_VICTIM = """
+    import os, subprocess, sys
+    for value in ("-1000", "0"):  # below the start value needs CAP_SYS_RESOURCE; back to 0 does not
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write(value)
+        except OSError:
+            print("oom_score_adj", value, "refused", flush=True)
+    sys.stderr.write("MODEL TEXT\\n")
+    sys.stderr.flush()
+    # Memory that no process's RSS shows (tmpfs files), written by small programs while this process
+    # becomes `sleep`: the largest processes in the cgroup are then the sandbox's own Python ones.
+    subprocess.Popen(["sh", "-c", "i=0; while :; do head -c 4194304 /dev/zero > f$i; i=$((i+1)); done"])
+    os.execv("/bin/sleep", ["sleep", "30"])
+"""
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_the_code_cannot_make_the_oom_killer_take_the_supervisor(who, delegated):
+    out = _scenario(who, delegated, OOM_VICTIM, memory_mb=64, max_file_mb=64)
+    if any("memory cgroup" in n for n in out["notes"]):
+        pytest.skip(f"no memory cgroup: {out['notes']}")
+    _assert_clean(out)
+    assert out["limit_hit"] == "memory" and "MODEL TEXT" not in str(out["error"]), out
+    assert "oom_score_adj -1000 refused" in out["stdout"]
+
+
+# ---------------------------------------------------------------- 5. reports the code cannot forge
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import sys\nsys.stderr.write('Resource temporarily unavailable\\n')\nsys.exit(1)",
+        "import sys\nsys.stderr.write('OSError: [Errno 27] File too large\\n')\nsys.exit(1)",
+        "import sys\nsys.stderr.write('OSError: [Errno 24] Too many open files\\n')\nsys.exit(1)",
+        "import os, signal\nos.kill(os.getpid(), signal.SIGXCPU)",
+    ],
+    ids=["eagain-text", "efbig-text", "emfile-text", "self-sigxcpu"],
+)
+def test_printed_text_and_self_sent_signals_set_no_limit(code):
+    result = run_python(code, timeout_s=10)
+    assert result.error is None and result.exit_code != 0
+    assert result.limit_hit is None, result
+
+
+THREADS = """
+    import threading, time
+    stop = threading.Event()
+    started = 0
+    try:
+        for _ in range(64):
+            threading.Thread(target=stop.wait).start()
+            started += 1
+    except RuntimeError as e:
+        print("refused after", started, e)
+    stop.set()
+"""
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_threads_count_against_the_process_limit_and_are_reported(who, delegated):
+    out = _scenario(who, delegated, THREADS, max_processes=8)
+    _assert_clean(out)
+    assert out["stdout"].startswith("refused after"), out
+    assert int(out["stdout"].split()[2]) < 8
+    assert out["limit_hit"] == "processes", out
+
+
+# ---------------------------------------------------------------- 6. one CPU budget per call
+
+CPU_BURN = """
+    import os
+    for _ in range(5):  # six processes, each under a per-process limit of cpu_s
+        if os.fork() == 0:
+            break
+    while True:
+        pass
+"""
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_one_cpu_budget_for_all_processes_of_a_call(who, delegated):
+    out = _scenario(who, delegated, CPU_BURN, cpu_s=1, timeout_s=30)
+    _assert_clean(out)
+    assert out["limit_hit"] == "cpu", out
+    assert out["cpu_used_s"] is not None and 1 <= out["cpu_used_s"] < 2, out
+    assert out["duration_s"] < 20
+
+
+def test_cpu_budget_counts_what_the_call_used_when_it_finishes_under_it():
+    result = run_python("x = 0\nfor i in range(200000):\n    x += i", cpu_s=5)
+    assert result.ok and result.cpu_used_s is not None and 0 < result.cpu_used_s < 5, result
+
+
+# ---------------------------------------------------------------- nobody without any cgroup: says so
+
+WITHOUT_CGROUPS = """
+    print("ran")
+"""
+
+
+def test_an_unprivileged_call_without_cgroups_says_what_it_cannot_bound(delegated):
+    out = _scenario("nobody", delegated, WITHOUT_CGROUPS)
+    _assert_clean(out)
+    notes = " ".join(out["notes"])
+    for what in ("memory cgroup", "pids cgroup", "cpu accounting"):
+        assert what in notes, notes
+    refused = _scenario("nobody", delegated, WITHOUT_CGROUPS, require_isolation=True)
+    assert refused["error"] is not None and refused["stdout"] == ""
+
+
+# ---------------------------------------------------------------- 7. the namespace-less fallback
+
+
+@pytest.fixture
+def no_namespaces(monkeypatch):
+    from otbrl.tools import sandbox
+    from otbrl.tools._launcher import _reachable
+
+    if os.geteuid() != 0:
+        pytest.skip("without namespaces a non-root sandbox shares the caller's uid: not contained")
+    python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if _reachable(p)), None)
+    if python is None:
+        pytest.skip("no interpreter an unprivileged uid can run")
+    monkeypatch.setattr(sandbox, "_NAMESPACES", False)
+    monkeypatch.setattr(sandbox, "PYTHON", python)
+
+
+def _sysv_keys(kind: str) -> set[int]:
+    lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]
+    return {int(line.split()[0]) for line in lines}
+
+
+@needs_nr
+def test_fallback_leaves_no_sysv_ipc_or_shared_memory_files_and_says_what_it_cannot_contain(no_namespaces):
+    key = 0x07B70000 + os.getpid() % 0xFFFF
+    code = f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print("shmget", libc.shmget({key}, 1 << 20, 0o1666))  # IPC_CREAT | 0666
+        print("msgget", libc.msgget({key}, 0o1666))
+        print("semget", libc.semget({key}, 1, 0o1666))
+        for path in ("/dev/shm/otbrl-left-{os.getpid()}", "/tmp/otbrl-left-{os.getpid()}"):
+            try:
+                open(path, "w").write("x")
+                print("wrote", path)
+            except OSError as e:
+                print("refused", path, type(e).__name__)
+    """
+    before = {kind: _sysv_keys(kind) for kind in ("shm", "msg", "sem")}
+    try:
+        result = run_python(textwrap.dedent(code), timeout_s=10)
+        assert result.error is None, result
+        for kind in ("shm", "msg", "sem"):
+            assert key not in _sysv_keys(kind) - before[kind], (kind, result.stdout)
+        for path in (f"/dev/shm/otbrl-left-{os.getpid()}", f"/tmp/otbrl-left-{os.getpid()}"):
+            assert not os.path.exists(path), (path, result.stdout)
+        notes = " ".join(result.notes)
+        for what in ("SysV", "world-writable", "read what"):
+            assert what in notes, notes
+    finally:
+        for path in (f"/dev/shm/otbrl-left-{os.getpid()}", f"/tmp/otbrl-left-{os.getpid()}"):
+            if os.path.exists(path):
+                os.remove(path)
+        subprocess.run(["ipcrm", "-M", str(key)], capture_output=True)
+        subprocess.run(["ipcrm", "-Q", str(key)], capture_output=True)
+        subprocess.run(["ipcrm", "-S", str(key)], capture_output=True)
+    refused = run_python("print('ran')", require_isolation=True)
+    assert refused.error is not None and "namespace" in refused.error and refused.stdout == ""
+
+
+# ---------------------------------------------------------------- 8. arguments, before any code runs
+
+SLOW = "import time\ntime.sleep(2)\nprint('ran')"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"timeout_s": math.inf}, "timeout_s"),
+        ({"timeout_s": math.nan}, "timeout_s"),
+        ({"timeout_s": True}, "timeout_s"),
+        ({"timeout_s": "5"}, "timeout_s"),
+        ({"timeout_s": -1}, "timeout_s"),
+        ({"cpu_s": -5}, "cpu_s"),
+        ({"cpu_s": 0}, "cpu_s"),
+        ({"cpu_s": True}, "cpu_s"),
+        ({"cpu_s": math.inf}, "cpu_s"),
+        ({"memory_mb": 2**44}, "memory_mb"),
+        ({"memory_mb": 1.5}, "memory_mb"),
+        ({"memory_mb": True}, "memory_mb"),
+        ({"memory_mb": 0}, "memory_mb"),
+        ({"max_output_bytes": 1.5}, "max_output_bytes"),
+        ({"max_output_bytes": True}, "max_output_bytes"),
+        ({"max_output_bytes": 2**40}, "max_output_bytes"),
+        ({"max_processes": True}, "max_processes"),
+        ({"max_processes": 10**6}, "max_processes"),
+        ({"max_file_mb": 2**44}, "max_file_mb"),
+        ({"max_file_mb": 2.0}, "max_file_mb"),
+        ({"max_open_files": 0}, "max_open_files"),
+        ({"max_open_files": 10**9}, "max_open_files"),
+        ({"require_isolation": "yes"}, "require_isolation"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_code_runs(kwargs, name):
+    start = time.monotonic()
+    result = run_python(SLOW, **kwargs)
+    assert result.error is not None and name in result.error and "\n" not in result.error, result.error
+    assert result.stdout == "" and time.monotonic() - start < 1.5  # the code (2 s) never ran
+
+
+def test_oversized_code_is_refused_before_anything_is_written():
+    mark = f"otbrl-sandbox-{os.getpid()}-"
+    before = {d for d in os.listdir(tempfile.gettempdir()) if d.startswith(mark)}
+    result = run_python("#" * (64 << 20))
+    assert result.error is not None and "code" in result.error and "\n" not in result.error
+    assert {d for d in os.listdir(tempfile.gettempdir()) if d.startswith(mark)} == before
+
+
+def test_good_arguments_of_every_accepted_type_run():
+    result = run_python("print('ok')", timeout_s=5, cpu_s=2.5, memory_mb=128, max_processes=4)
+    assert result.ok and result.stdout == "ok\n", result
