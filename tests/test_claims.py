@@ -117,8 +117,67 @@ def test_write_claims_reports_what_is_missing(tmp_path) -> None:
     (tmp_path / "walk.json").write_text(json.dumps(_walk_result()))
     text = write_claims(tmp_path).read_text()
     assert "| (a) OTB lowers" in text and "| claim OTB vs GRPO, N=4 |" in text
-    assert "Not run yet: ladder, tir, variance-walk." in text
+    assert "Not run yet: ladder, tir, variance-walk, walk2." in text
     assert "[walk.md](walk.md)" in text and "[tir.md]" not in text
+    # a result without a registration is flagged as legacy, with its held-out overlap computed
+    assert "**Legacy result**" in text and "of its held-out prompts were also training prompts" in text
+    assert "- `walk`: made before protocols were registered" in text
+
+
+def _registered(result: dict, amendments: list | None = None, stamps: dict | None = None) -> dict:
+    reg = {"hash": "h1", "registered": "2026-01-01T00:00:00+00:00", "committed": True, "commit": "c" * 40,
+           "amendments": amendments or []}  # fmt: skip
+    return {**result, "registration": reg, "protocols": stamps or {"h1": 4}}
+
+
+def test_registered_results_are_clean_and_amendments_are_listed(tmp_path) -> None:
+    clean = comparison_rows(_registered(_walk_result()), "walk")[0]
+    assert "Legacy" not in clean[1] and "amended" not in clean[1]
+    amended = _registered(_walk_result(), [{"hash": "h2", "at": "2026-01-02T00:00:00+00:00",
+                                            "reason": "more seeds", "changed": ["seeds"]}],
+                          {"h1": 2, "h2": 2})  # fmt: skip
+    row = comparison_rows(amended, "walk")[0]
+    assert "protocol amended after its first run started" in row[1] and "2 under h1" in row[1]
+    (tmp_path / "walk.json").write_text(json.dumps(amended))
+    assert "- `walk`: amended at 2026-01-02T00:00:00+00:00 (keys seeds): more seeds" in (
+        write_claims(tmp_path).read_text())
+
+
+def test_primary_endpoint_and_phenomenon_in_the_rows(tmp_path) -> None:
+    res = _walk_result()
+    c = res["comparisons"][0]
+    c["primary"] = 100000
+    c["heldout"][0]["primary"] = True
+    c["verdict"] = "held"  # as compare_arms reads it: the primary (held) decides, tokens (inconclusive) not
+    row = comparison_rows(_registered(res), "walk")[0]
+    assert "held-out reward @100k (primary)" in row[1] and "the primary endpoint decides" in row[2]
+    path = tmp_path / "walkp.yaml"
+    from otbrl.app.studies.experiment import EXPERIMENTS
+
+    path.write_text((EXPERIMENTS / "walk.yaml").read_text() + "phenomenon: {length_cv_run: 0.3}\n")
+    for arm in res["arms"].values():
+        arm["length_cv_run"] = [0.2, 0.25]
+    low = comparison_rows(_registered(res), str(path))[0]
+    assert low[2].startswith("**not tested**") and "length_cv_run 0.23 < 0.3" in low[2]
+    for arm in res["arms"].values():
+        arm["length_cv_run"] = [0.4, 0.5]
+    assert comparison_rows(_registered(res), str(path))[0][2].startswith("**held**")
+
+
+def test_censored_runs_are_read_both_ways_in_the_ladder_verdict() -> None:
+    calm = [[None, None]] * 3
+    falls = [[None, None], [12, 20], [8, 9]]
+    res = _ladder(calm, falls)
+    for arm, a in res["arms"].items():
+        a["censored"] = [arm == "otb-N4@0.0004", arm == "otb-N4@0.0004"]  # OTB ends low at the top rung
+        a["held_out"] = [0.3, 0.3]
+    row = stability_row(res)
+    assert "0/2 @ 0.0004 (+2 censored)" in row[1] and "censored runs of these arms counted" in row[1]
+    assert row[2].startswith("**inconclusive**: censoring decides (held if censored runs survived")
+    assert "final held-out reward 0.30 @ 0.0001" in row[1]
+    for a in res["arms"].values():
+        a["censored"] = [False, False]
+    assert stability_row(res)[2].startswith("**held**")
 
 
 def test_a_missing_role_is_a_clear_error(tmp_path) -> None:

@@ -42,13 +42,52 @@ STUDIES = {  # results JSON -> the command that writes it
     "variance": "otbrl variance",
     "variance-walk": "otbrl variance --task walk --name variance-walk",
     "walk": "otbrl compare walk",
+    "walk2": "otbrl compare walk2",
     "ladder": "otbrl compare ladder",
     "tir": "otbrl compare tir",
 }
 
 
+# an experiment -> the one that replaces it: once the successor has results, the old rows move to the
+# superseded list (the old page stays, and says why)
+SUCCESSORS = {"walk": "walk2"}
+
+
+def protocol_changes(results: Path) -> list[str]:
+    """One line per protocol change made after an experiment's first run started: amendments recorded in
+    its registration, and the legacy results made before registration existed."""
+    from otbrl.app.studies.training_claims import LEGACY
+
+    lines = []
+    for name in STUDIES:
+        res = _load(results, name)
+        if res is None or "arms" not in res or name.startswith("variance"):
+            continue
+        reg = res.get("registration")
+        if reg is None:
+            lines.append(f"- `{name}`: made before protocols were registered; " + LEGACY.get(name, "see git"))
+            continue
+        for a in reg.get("amendments", []):
+            lines.append(f"- `{name}`: amended at {a['at']} (keys {', '.join(a['changed'])}): {a['reason']}")
+        if reg.get("committed") is False:
+            lines.append(f"- `{name}`: its YAML was not committed when its first run started")
+    for folder in sorted((results / "runs").glob("*-pilot")):
+        reg = _load_json(folder / "protocol.json")
+        for a in (reg or {}).get("amendments", []):
+            lines.append(f"- `{folder.name}`: amended at {a['at']} (keys {', '.join(a['changed'])}): "
+                         f"{a['reason']}")  # fmt: skip
+    return lines
+
+
+def _load_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def write_claims(results: Path = Path("docs/results")) -> Path:
-    var, var_walk, walk, ladder, tir = (_load(results, n) for n in STUDIES)
+    var, var_walk, walk, walk2, ladder, tir = (_load(results, n) for n in STUDIES)
+    superseded = [old for old, new in SUCCESSORS.items() if _load(results, new) is not None]
+    if "walk" in superseded:
+        walk = None
     rows: list[Row] = []
     missing: list[str] = []
 
@@ -63,7 +102,9 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
     add(var_walk, "variance-walk", variance_claim)
     add(var, "variance", proxy_claim)
     add(var_walk, "variance-walk", proxy_claim)
-    add(walk, "walk", lambda r: comparison_rows(r, "walk"))
+    if "walk" not in superseded:
+        add(walk, "walk", lambda r: comparison_rows(r, "walk"))
+    add(walk2, "walk2", lambda r: comparison_rows(r, "walk2"))
     add(ladder, "ladder", stability_row)
     add(tir, "tir", lambda r: comparison_rows(r, "tir"))
     add(ladder, "ladder", lr_decay_row)
@@ -85,10 +126,25 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
            "on the base runs' lengths): [decay_timing.md](decay_timing.md)."
            if (results / "decay_timing.md").is_file() else ""),
         "",
+        "Each row's interval is a 95% t confidence interval over paired seeds; in the linked pages' arm "
+        "tables, \"±\" is the standard deviation across seeds, not an interval.",
+        "",
+        "**Protocol changes after a first run started.**",
+        "",
+        "\n".join(protocol_changes(results)) or "None.",
+        "",
+        "Every experiment's protocol (its YAML but the description and quick section) is registered with "
+        "its hash when its first run starts (`docs/results/runs/<experiment>/protocol.json`) and stamped "
+        "on every run's committed record; `otbrl compare` refuses a changed protocol unless the change is "
+        "recorded with `--amend REASON`, and every such amendment is listed here.",
+        "",
         "Withdrawn: round 1's `efficiency`, `efficiency48` and `stress` experiments (fixed-length answers, "
         "one learning rate for every arm, unequal step budgets, 3 seeds, no intervals; see issue 16). "
         "Their pages are in the git history.",
     ]
+    if superseded:
+        pairs = [f"[{o}.md]({o}.md) by [{SUCCESSORS[o]}.md]({SUCCESSORS[o]}.md)" for o in superseded]
+        lines += ["", "Superseded: " + ", ".join(pairs) + "."]
     if missing:
         lines += ["", "Not run yet: " + ", ".join(sorted(set(missing))) + "."]
     out = results / "claims.md"

@@ -42,11 +42,12 @@ def critical_lr(rungs: dict[float, dict[int, bool]]) -> float | None:
     return None
 
 
-def collapse_difference(arms: dict[str, Any], candidate: str, baseline: str, confidence: float
+def collapse_difference(arms: dict[str, Any], candidate: str, baseline: str, confidence: float,
+                        table: dict[str, dict[float, dict[int, bool]]] | None = None
                         ) -> Interval:  # fmt: skip
     """Paired over (rung, seed): baseline collapsed (1/0) minus candidate collapsed; > 0 favours the
     candidate."""
-    table = cells(arms)
+    table = cells(arms) if table is None else table
     a, b = table.get(candidate, {}), table.get(baseline, {})
     diffs = []
     for lr in sorted(set(a) & set(b)):
@@ -54,13 +55,15 @@ def collapse_difference(arms: dict[str, Any], candidate: str, baseline: str, con
     return t_interval(diffs, confidence)
 
 
-def stability_verdict(arms: dict[str, Any], candidate: str, baselines: list[str], confidence: float
+def stability_verdict(arms: dict[str, Any], candidate: str, baselines: list[str], confidence: float,
+                      table: dict[str, dict[float, dict[int, bool]]] | None = None
                       ) -> tuple[str, list[tuple[str, Interval]]]:  # fmt: skip
-    """`better` on collapses against each baseline; not tested when no run collapsed at all."""
-    table = cells(arms)
+    """`better` on collapses against each baseline; not tested when no run collapsed at all. `table`:
+    collapse indicators to use instead of `cells(arms)` (e.g. censored runs counted as collapses)."""
+    table = cells(arms) if table is None else table
     arms_here = (candidate, *baselines)
     collapsed = sum(sum(seeds.values()) for b in arms_here for seeds in table.get(b, {}).values())
-    intervals = [(b, collapse_difference(arms, candidate, b, confidence)) for b in baselines]
+    intervals = [(b, collapse_difference(arms, candidate, b, confidence, table)) for b in baselines]
     if collapsed == 0:
         return NOT_TESTED, intervals
     return combine([verdict("better", ci) for _, ci in intervals]), intervals
