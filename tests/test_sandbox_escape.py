@@ -544,3 +544,88 @@ def test_oversized_code_is_refused_before_anything_is_written():
 def test_good_arguments_of_every_accepted_type_run():
     result = run_python("print('ok')", timeout_s=5, cpu_s=2.5, memory_mb=128, max_processes=4)
     assert result.ok and result.stdout == "ok\n", result
+
+
+# ---------------------------------------------------------------- the seccomp program itself (no kernel)
+
+
+def _bpf_run(program, nr: int, arch: int, args=(0,) * 6) -> int:
+    """A classic-BPF interpreter for the instructions a seccomp filter uses, over struct seccomp_data
+    (little-endian): the reference the program is checked against."""
+    data = nr.to_bytes(4, "little", signed=True) + arch.to_bytes(4, "little") + bytes(8)
+    data += b"".join((a & (2**64 - 1)).to_bytes(8, "little") for a in (*args, *[0] * (6 - len(args))))
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = program[pc]
+        pc += 1
+        if code == 0x20:  # BPF_LD | BPF_W | BPF_ABS
+            acc = int.from_bytes(data[k : k + 4], "little")
+        elif code == 0x54:  # BPF_ALU | BPF_AND | BPF_K
+            acc &= k
+        elif code == 0x06:  # BPF_RET | BPF_K
+            return k
+        elif code in (0x15, 0x25, 0x35, 0x45):  # JEQ, JGT, JGE, JSET with K
+            taken = {0x15: acc == k, 0x25: acc > k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += jt if taken else jf
+        else:
+            raise AssertionError(f"unexpected opcode {code:#x}")
+
+
+ALLOW, EPERM, EACCES, ENOSYS = 0x7FFF0000, 0x50000 | 1, 0x50000 | 13, 0x50000 | 38
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64", "riscv64"])
+def test_the_seccomp_program_decides_as_documented(machine):
+    from otbrl.tools import _seccomp
+
+    audit, table, x32 = _seccomp.ARCHES[machine]
+    prog = _seccomp.program(machine)
+    fallback = _seccomp.program(machine, fallback=True)
+    read = 0 if machine == "x86_64" else 63
+
+    def run(name_or_nr, args=(), p=prog, arch=audit):
+        nr = table[name_or_nr] if isinstance(name_or_nr, str) else name_or_nr
+        return _bpf_run(p, nr, arch, args)
+
+    assert run(read) == ALLOW
+    for name in ("keyctl", "add_key", "request_key", "unshare", "setns", "bpf", "userfaultfd",
+                 "perf_event_open", "ptrace", "mount", "io_uring_setup", "process_vm_readv"):  # fmt: skip
+        assert run(name) == EPERM, name
+    assert run("clone3") == ENOSYS
+    assert run("clone", (17,)) == ALLOW  # fork
+    assert run("clone", (0x3D0F00,)) == ALLOW  # a thread (CLONE_VM | CLONE_THREAD | ...)
+    for flag in (0x10000000, 0x20000000, 0x40000000, 0x20000, 0x80, 0x02000000, 0x04000000, 0x08000000):
+        assert run("clone", (flag | 17,)) == EPERM, hex(flag)
+    assert run("socket", (2, 1)) == ALLOW  # AF_INET, SOCK_STREAM
+    assert run("socket", (1, 0o2000001)) == ALLOW  # AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC
+    assert run("socket", (17, 2)) == EPERM  # AF_PACKET, SOCK_DGRAM
+    assert run("socket", (2, 3 | 0o4000)) == EPERM  # AF_INET, SOCK_RAW | SOCK_NONBLOCK
+    assert run("socket", (2, 10)) == EPERM  # SOCK_PACKET
+    assert run("shmget") == ALLOW and run("shmget", p=fallback) == EPERM
+    assert run("socket", (1, 1), p=fallback) == EACCES
+    assert run(_seccomp.MAX_KNOWN + 1) == ENOSYS  # newer than this policy: refused until reviewed
+    assert run(read, arch=0x40000003) == ENOSYS  # another ABI (i386)
+    if x32:
+        assert run(0x40000000 | read) == ENOSYS
+
+
+@pytest.mark.parametrize(
+    ("header", "machine"),
+    [
+        ("/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "x86_64"),
+        ("/usr/include/asm-generic/unistd.h", "aarch64"),
+    ],
+)
+def test_the_syscall_tables_match_the_kernel_headers(header, machine):
+    import re
+
+    from otbrl.tools import _seccomp
+
+    if not os.path.exists(header):
+        pytest.skip(f"{header} is not installed")
+    text = Path(header).read_text()
+    defined = {m[0]: int(m[1]) for m in re.findall(r"#define __NR(?:3264)?_(\w+)\s+(\d+)\b", text)}
+    table = _seccomp.ARCHES[machine][1]
+    checked = [name for name in table if name in defined]
+    assert len(checked) >= len(table) - 2  # open_tree_attr is newer than older headers
+    assert {name: table[name] for name in checked} == {name: defined[name] for name in checked}
