@@ -232,3 +232,19 @@ def test_packaged_gated_experiments_hold_enough_heldout_prompts() -> None:
         if exp.pilot and "gate" in exp.pilot:
             for run in plan(exp, Path("x")):
                 assert run.overrides["eval_size"] >= 1024 and run.overrides.get("eval_before", True)
+
+
+def test_a_page_is_rebuilt_from_committed_records_alone(tmp_path, monkeypatch) -> None:
+    from otbrl.app.studies.compare import compare
+
+    exp = load_experiment("walk")
+    records = tmp_path / "results" / "runs" / "walk"
+    monkeypatch.setattr(runs, "_train", _fake_train([]))
+    chosen = [r for r in plan(exp, tmp_path / "a") if r.seed in (0, 1) and r.arm in ("otb-N4", "grpo-N4")]
+    runs.execute("walk", "walk", chosen, jobs=1, log=lambda _: None, records=records, stamp={"hash": "abc"})
+    monkeypatch.setattr(runs, "_train", lambda *a: pytest.fail("--no-run trained"))
+    page, failures = compare("walk", runs_dir=tmp_path / "elsewhere", results=tmp_path / "results",
+                             log=lambda _: None, train=False)  # fmt: skip
+    text = page.read_text()
+    assert failures == [] and "| otb-N4 | 2 |" in text and "| grpo-N4 | 2 |" in text
+    assert "Runs: 4 under `abc`" in text and "not registered" in text  # records, but no registration

@@ -102,6 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     comp.add_argument("--runs-dir", type=Path, help="where runs go (default runs/compare[-quick]/NAME)")
     comp.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
     comp.add_argument(
+        "--no-run",
+        action="store_true",
+        help="train nothing: rebuild the page from the committed run records alone (docs/results/runs/)",
+    )
+    comp.add_argument(
         "--amend",
         metavar="REASON",
         help="go on although the protocol changed since its first run started: the change and REASON are "
@@ -154,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
                     runs_dir=args.runs_dir,
                     results=args.results,
                     amend=args.amend,
+                    train=not args.no_run,
                 )
             except (ValueError, RuntimeError) as err:
                 raise fail(str(err)) from None
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs_dir=args.runs_dir,
                 results=args.results,
                 amend=args.amend,
+                train=not args.no_run,
             )
         except (ValueError, RuntimeError) as err:
             raise fail(str(err)) from None

@@ -217,8 +217,8 @@ def protocol_text(exp: Experiment, result: dict[str, Any]) -> str:
     reg = result.get("registration")
     stamps = result.get("protocols", {})
     if reg is None:
-        return ("Protocol: **not registered** (these runs predate protocol stamps, issue 22); "
-                f"runs: {', '.join(f'{n} {h}' for h, n in stamps.items()) or 'none'}.")
+        runs = ", ".join(f"{n} under `{h}`" for h, n in stamps.items()) or "none"
+        return f"Protocol: **not registered** (runs made before protocol registration). Runs: {runs}."
     text = (f"Protocol: registered as `{reg['hash']}` at {reg['registered']} when the first run started "
             + ("(its YAML committed then" + (f", {reg['commit'][:10]})" if reg.get("commit") else ")")
                if reg.get("committed") else "(its YAML **not committed** then)") + ".")  # fmt: skip
@@ -265,9 +265,10 @@ def _heldout_split(exp: Experiment) -> dict[str, Any] | None:
 
 
 def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | None = None,
-            results: Path | None = None, log: Any = print, amend: str | None = None
+            results: Path | None = None, log: Any = print, amend: str | None = None, train: bool = True
             ) -> tuple[Path, list[str]]:  # fmt: skip
-    """Plan, run (resuming from committed records), analyse and report one experiment. Returns (results
+    """Plan, run (resuming from committed records; `train=False`: nothing, the page from the committed
+    records alone), analyse and report one experiment. Returns (results
     page, failures). Quick runs go to runs/compare-quick/ and leave docs/results alone unless `results`
     says otherwise. The protocol is registered at the first run and checked at every later invocation
     (`amend`: the reason for a change, recorded); with a pilot gate, no reported run starts until the
@@ -278,16 +279,21 @@ def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | N
     results = results or (root / "results" if quick else RESULTS)
     records = results / "runs" / exp.name
     runs = plan(exp, runs_dir)
-    if not quick:
+    if not quick and train:
         problems = gate_problems(exp, results)
         if problems:
             raise RuntimeError(f"{exp.name}: the pilot's gate is not passed, so no reported run starts:\n- "
                                + "\n- ".join(problems))  # fmt: skip
-    stamp = _stamp(exp, records, "main", amend, quick)
-    log(f"{exp.name}: {len(runs)} runs ({len(exp.arms)} arms, seeds {exp.seeds}) in {runs_dir}; records in "
-        f"{records}; protocol {stamp['hash']}")  # fmt: skip
     start = time.perf_counter()
-    failures = execute(exp.name, exp.recipe, runs, jobs=jobs, log=log, records=records, stamp=stamp)
+    failures: list[str] = []
+    if train:
+        stamp = _stamp(exp, records, "main", amend, quick)
+        log(f"{exp.name}: {len(runs)} runs ({len(exp.arms)} arms, seeds {exp.seeds}) in {runs_dir}; records "
+            f"in {records}; protocol {stamp['hash']}")  # fmt: skip
+        failures = execute(exp.name, exp.recipe, runs, jobs=jobs, log=log, records=records, stamp=stamp)
+    else:
+        runs = [r for r in runs if has_record(r, records)]
+        log(f"{exp.name}: {len(runs)} runs with committed records in {records} (none trained)")
     result = analyse(exp, runs, records)
     if not result["arms"]:
         raise RuntimeError(f"{exp.name}: every run failed:\n" + "\n".join(failures))
@@ -337,8 +343,9 @@ def picks_and_gate(exp: Experiment, runs: list[Run], records: Path | None
         mine = [r for r in runs if r.arm.startswith(arm + "@")]
         data = {r.overrides["learning_rate"]: _run_data(r, records) for r in mine}
         scores = {lr: pilot_score(d[0]) for lr, d in data.items() if d is not None}
-        if not scores:
-            score_rows.append([arm, *("not run" for _ in lrs), "—"])
+        if len(scores) < len(data) or not scores:  # a pick needs every rate of the arm's grid
+            score_rows.append([arm, *(f"{scores[lr]:.3f}" if lr in scores else "not run" for lr in lrs),
+                               "pending"])  # fmt: skip
             ok = False
             continue
         picks[arm] = max(scores, key=scores.__getitem__)
@@ -423,28 +430,35 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
 
 
 def pilot(spec: str, *, jobs: int = 2, runs_dir: Path | None = None, results: Path | None = None,
-          log: Any = print, amend: str | None = None) -> tuple[Path, dict[str, float]]:  # fmt: skip
-    """Run the experiment's pilot: every arm at each pilot learning rate on the pilot seed, each arm's
-    pick by `pilot_score` and the gate (held-out gain at the pick); if every arm passed and the pilot has
-    `variance_seeds`, the picks on those seeds and the power calculation from their paired differences.
-    Writes `<results>/<name>-pilot.md`; its runs' records go to `<results>/runs/<name>-pilot/`. The picks
-    and the power calculation go into the experiment's YAML by hand, before its reported runs (which
+          log: Any = print, amend: str | None = None, train: bool = True
+          ) -> tuple[Path, dict[str, float]]:  # fmt: skip
+    """Run the experiment's pilot (`train=False`: nothing; its page from the committed records alone):
+    every arm at each pilot learning rate on the pilot seed, each arm's pick by `pilot_score` and the
+    gate (held-out gain at the pick); if every arm passed and the pilot has `variance_seeds`, the picks
+    on those seeds and the power calculation from their paired differences. Writes
+    `<results>/<name>-pilot.md`; its runs' records go to `<results>/runs/<name>-pilot/`. The picks and
+    the power calculation go into the experiment's YAML by hand, before its reported runs (which
     `compare` checks); the pilot's seeds are never reported ones."""
     exp = load_experiment(spec)
     runs_dir = runs_dir or Path("runs/compare") / exp.name / "pilot"
     results = results or RESULTS
     records = results / "runs" / f"{exp.name}-pilot"
-    stamp = _stamp(exp, records, "pilot", amend, quick=False)
     runs = pilot_plan(exp, runs_dir)
-    log(f"{exp.name} pilot: {len(runs)} runs (seed {exp.pilot['seed']}) in {runs_dir}; "
-        f"protocol {stamp['hash']}")  # fmt: skip
-    failures = execute(f"{exp.name} pilot", exp.recipe, runs, jobs=jobs, log=log, records=records,
-                       stamp=stamp)  # fmt: skip
+    stamp: dict[str, Any] = {}
+    failures: list[str] = []
+    if train:
+        stamp = _stamp(exp, records, "pilot", amend, quick=False)
+        log(f"{exp.name} pilot: {len(runs)} runs (seed {exp.pilot['seed']}) in {runs_dir}; "
+            f"protocol {stamp['hash']}")  # fmt: skip
+        failures = execute(f"{exp.name} pilot", exp.recipe, runs, jobs=jobs, log=log, records=records,
+                           stamp=stamp)  # fmt: skip
     if failures:
         raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
     picks, _, _, ok = picks_and_gate(exp, runs, records)
     stage2: list[Run] = []
-    if ok and exp.pilot.get("variance_seeds"):
+    if ok and exp.pilot.get("variance_seeds") and not train:
+        stage2 = [r for r in variance_plan(exp, runs_dir, picks) if has_record(r, records)]
+    elif ok and exp.pilot.get("variance_seeds"):
         stage2 = variance_plan(exp, runs_dir, picks)
         log(f"{exp.name} pilot: gate passed; {len(stage2)} runs at the picks on seeds "
             f"{exp.pilot['variance_seeds']}")  # fmt: skip
