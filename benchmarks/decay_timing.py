@@ -9,7 +9,8 @@ those that did not, how many it would have fired on anyway. This measures the de
 trigger in time is necessary, not sufficient, for the decay to prevent a collapse.
 
 Regenerate (from the repo root, after `otbrl compare ladder`):
-    python benchmarks/decay_timing.py    # reads runs/compare/ladder, writes docs/results/decay_timing.md
+    python benchmarks/decay_timing.py    # reads the committed run records (docs/results/runs/ladder/),
+                                         # else runs/compare/ladder; writes docs/results/decay_timing.md
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="ladder")
     parser.add_argument("--runs", type=Path, default=None, help="default runs/compare/EXPERIMENT")
+    parser.add_argument("--records", type=Path, default=None,
+                        help="committed run records (default docs/results/runs/EXPERIMENT)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "decay_timing.md")
     args = parser.parse_args()
     exp = load_experiment(args.experiment)
@@ -89,7 +92,8 @@ def main() -> None:
     if not variants:
         raise SystemExit(f"{args.experiment}: no lr_decay role, nothing to replay")
     runs_dir = args.runs or Path("runs") / "compare" / exp.name
-    result = analyse(exp, plan(exp, runs_dir))
+    records = args.records or ROOT / "docs" / "results" / "runs" / exp.name
+    result = analyse(exp, plan(exp, runs_dir), records)
     base_runs = {arm: rs for arm, rs in result["runs"].items() if split(arm)[0] not in variants}
     if not base_runs:
         raise SystemExit(f"no finished runs under {runs_dir}: run `otbrl compare {args.experiment}` first")
@@ -107,7 +111,8 @@ def main() -> None:
         "",
         __doc__.split("\n\n")[1].replace("\n", " "),
         "",
-        f"Regenerate: `python benchmarks/decay_timing.py` (after `otbrl compare {exp.name}`). Replayed on "
+        f"Regenerate: `python benchmarks/decay_timing.py` (from the committed run records in "
+        f"`docs/results/runs/{exp.name}/`, after `otbrl compare {exp.name}`). Replayed on "
         f"the {n} base runs of `{exp.name}` (arms {', '.join(sorted(base_runs))}); detector settings of the "
         f"decay arms: {', '.join(f'{k} {v}' for k, v in sorted(own.items()))}, with the overrides named "
         "in each row.",

@@ -5,6 +5,11 @@ groups carry any reward signal at all.
     .venv/bin/python benchmarks/task_horizon.py                  # walk, running_sum16, running_sum48
     .venv/bin/python benchmarks/task_horizon.py --quick          # 8 prompts x 8 samples, temp file
     .venv/bin/python benchmarks/task_horizon.py --tasks walk --prompts 64 --samples 16
+    .venv/bin/python benchmarks/task_horizon.py --from-samples docs/results/horizon-samples.json.gz
+                                                                 # the page again from the committed samples
+
+Every sampled completion's length, energy, reward and end are kept in `docs/results/horizon-samples.json.gz`
+(next to the page), so the page can be rechecked, and rebuilt, without sampling again.
 
 Each task's shipped (or cached) warm start (`otbrl.tasks.warm_start(task)`, never rebuilt here) samples
 `--samples` completions of each of `--prompts` held-out prompts at temperature 1 with the task's own
@@ -92,6 +97,14 @@ def horizon_stats(
     task_name: str, prompts: int, samples: int, seed: int = 0, batch_prompts: int = 16
 ) -> dict[str, Any]:
     """Sample and measure one task at its warm start; returns a dict of the statistics (see module doc)."""
+    return stats_from_samples(sample_task(task_name, prompts, samples, seed, batch_prompts))
+
+
+def sample_task(
+    task_name: str, prompts: int, samples: int, seed: int = 0, batch_prompts: int = 16
+) -> dict[str, Any]:
+    """Sample one task at its warm start: every completion's length, energy, reward and whether it ended
+    (samples of one prompt are consecutive), with the warm start's facts: what `stats_from_samples` reads."""
     task = get_task(task_name)
     model, tokenizer, info = warm_start(task.name, log=None)
     if not info.get("cached"):
@@ -120,17 +133,29 @@ def horizon_stats(
         ended += ends_with_eos.any(-1).tolist()
         answers = [r["answer"] for r in part for _ in range(samples)]
         rewards += [task.reward(t, a) for t, a in zip(s.texts, answers, strict=True)]
-    seconds = time.perf_counter() - start
+    return {
+        "task": task.name, "warm start reward": info["reward"], "warm start seconds": info["seconds"],
+        "warm start steps": info["steps"], "budget": task.max_completion_tokens, "prompts": prompts,
+        "samples": samples, "sampling seconds": time.perf_counter() - start,
+        "lengths": [int(x) for x in lengths], "energies": [float(f"{e:.6g}") for e in energies],
+        "rewards": rewards, "ended": [bool(e) for e in ended],
+    }  # fmt: skip
+
+
+def stats_from_samples(raw: dict[str, Any]) -> dict[str, Any]:
+    """The page's statistics of one task from its samples (`sample_task`)."""
+    prompts, samples = raw["prompts"], raw["samples"]
+    lengths, energies, rewards, ended = raw["lengths"], raw["energies"], raw["rewards"], raw["ended"]
     groups = [list(range(g * samples, (g + 1) * samples)) for g in range(prompts)]
     lengths_f = [float(x) for x in lengths]
     ordered = sorted(lengths_f)
     reward_spread = [len({rewards[i] for i in g}) > 1 for g in groups]
     return {
-        "task": task.name,
-        "warm start reward": info["reward"],
-        "warm start seconds": info["seconds"],
-        "warm start steps": info["steps"],
-        "budget": task.max_completion_tokens,
+        "task": raw["task"],
+        "warm start reward": raw["warm start reward"],
+        "warm start seconds": raw["warm start seconds"],
+        "warm start steps": raw["warm start steps"],
+        "budget": raw["budget"],
         "prompts": prompts,
         "samples": samples,
         "reward": statistics.fmean(rewards),
@@ -147,7 +172,7 @@ def horizon_stats(
         "corr(energy, reward) within group": _pearson(_centred(energies, groups), _centred(rewards, groups)),
         "corr(length, reward) within group": _pearson(_centred(lengths_f, groups), _centred(rewards, groups)),
         "groups with reward spread": sum(reward_spread) / len(groups),
-        "sampling seconds": seconds,
+        "sampling seconds": raw["sampling seconds"],
     }
 
 
@@ -181,15 +206,29 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 prompts x 8 samples; output to a temp file")
     parser.add_argument("--out", type=Path, help="markdown output path (default docs/results/horizon.md)")
+    parser.add_argument("--from-samples", type=Path, help="rebuild the page from these committed samples")
     args = parser.parse_args()
+    from otbrl.app.studies.records import read_record, write_record
+
     if args.quick:
         args.prompts, args.samples = 8, 8
     out = args.out or (Path(tempfile.gettempdir()) if args.quick else RESULTS) / "horizon.md"
+    samples_path = out.with_name(out.stem + "-samples.json.gz")
     threads = torch.get_num_threads()
-    print(machine(threads))
+    if args.from_samples:
+        saved = read_record(args.from_samples)
+        raws, where = saved["tasks"], saved["machine"]
+        for key, value in saved["args"].items():
+            setattr(args, key, value)
+    else:
+        where = machine(threads)
+        print(where)
+        raws = [sample_task(name, args.prompts, args.samples, args.seed) for name in args.tasks]
+        args_saved = {k: getattr(args, k) for k in ("tasks", "prompts", "samples", "seed")}
+        write_record(samples_path, {"machine": where, "args": args_saved, "tasks": raws})
     results = []
-    for name in args.tasks:
-        stats = horizon_stats(name, args.prompts, args.samples, args.seed)
+    for raw in raws:
+        stats = stats_from_samples(raw)
         print(", ".join(f"{k}={_fmt(v)}" for k, v in stats.items()), flush=True)
         results.append(stats)
     keys = [k for k in results[0] if k != "task"]
@@ -211,8 +250,10 @@ def main() -> None:
     verdicts = "\n".join(f"- {r['task']}: {verdict(r)}" for r in results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
-        f"# Horizon statistics at the shipped warm starts\n\nMachine: {machine(threads)}.\n\n"
-        f"Regenerate (from the repo root, `PYTHONPATH=.`): `{command}`\n\n{_methods()}\n"
+        f"# Horizon statistics at the shipped warm starts\n\nMachine (of the sampling): {where}.\n\n"
+        f"Regenerate (from the repo root, `PYTHONPATH=.`): `{command}`; from the committed samples "
+        f"(`{samples_path.name}`, no sampling): `python benchmarks/task_horizon.py --from-samples "
+        f"docs/results/{samples_path.name}`\n\n{_methods()}\n"
         f"{table}\n\nCriteria (issue 16, item 1):\n\n{verdicts}\n"
     )
     print(f"wrote {out}")
