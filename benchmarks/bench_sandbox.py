@@ -21,6 +21,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -283,6 +284,351 @@ def socket_case() -> dict:
     }
 
 
+# ---------------------------------------------------------------- issue 23: ways out, and forged reports
+
+KEYRING = """
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    buf = ctypes.create_string_buffer(64)
+    n = libc.syscall({keyctl}, 11, {serial}, buf, 64)  # KEYCTL_READ of the caller's key
+    print("read:", buf.value.decode() if n > 0 else "refused")
+"""
+
+PACKET_RING = """
+    import ctypes, os, socket, struct, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(0x10000000 | 0x40000000) != 0:  # CLONE_NEWUSER | CLONE_NEWNET
+        print("unshare refused:", os.strerror(ctypes.get_errno()))
+        raise SystemExit
+    open("/proc/self/setgroups", "w").write("deny")
+    open("/proc/self/uid_map", "w").write(f"0 {{uid}} 1")
+    open("/proc/self/gid_map", "w").write(f"0 {{gid}} 1")
+    s = socket.socket(17, socket.SOCK_RAW, 0)  # AF_PACKET: root of its own user namespace may
+    block, blocks, frame = 4 << 20, 128, 2048
+    s.setsockopt(263, 5, struct.pack("IIII", block, blocks, frame, block // frame * blocks))  # RX_RING
+    print("ring MiB:", block * blocks >> 20, flush=True)
+    time.sleep(2)
+"""
+
+CPU_BURN = """
+    import os
+    for _ in range(5):
+        if os.fork() == 0:
+            break
+    while True:
+        pass
+"""
+
+ORPHANED_GROUP = """
+    import os, signal, time
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    a = os.fork()
+    if a == 0:
+        b = os.fork()
+        if b == 0:
+            if os.fork() == 0:
+                os.kill(os.getpid(), signal.SIGSTOP)
+                os._exit(0)
+            time.sleep(0.3)
+            os._exit(0)
+        os.setpgid(0, 0)
+        os.waitpid(b, 0)
+        time.sleep(0.5)
+        os._exit(0)
+    os.waitpid(a, 0)
+    print("finished")
+"""
+
+OOM_VICTIM = """
+    import os, subprocess, sys
+    open("/proc/self/oom_score_adj", "w").write("0")
+    sys.stderr.write("MODEL TEXT\\\\n")
+    sys.stderr.flush()
+    subprocess.Popen(["sh", "-c", "i=0; while :; do head -c 4194304 /dev/zero > f$i; i=$((i+1)); done"])
+    os.execv("/bin/sleep", ["sleep", "30"])
+"""
+
+THREADS = """
+    import threading
+    stop = threading.Event()
+    try:
+        for _ in range(64):
+            threading.Thread(target=stop.wait).start()
+    except RuntimeError:
+        pass
+    stop.set()
+"""
+
+SYSV = """
+    import ctypes
+    print(ctypes.CDLL(None).shmget({key}, 1 << 20, 0o1666))
+"""
+
+
+def _short(text, n: int = 90) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _report(r) -> str:
+    """The fields the issue is about, as one cell."""
+    parts = [f"limit_hit={r.limit_hit}", f"exit={r.exit_code}"]
+    if r.error:
+        parts.append(f"error: {_short(r.error, 70)}")
+    return ", ".join(parts)
+
+
+def escape_keyring() -> str:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    nr = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(platform.machine())
+    if nr is None:
+        return "not measured: no syscall numbers for this machine"
+    serial = libc.syscall(nr[0], b"user", b"otbrl-bench-key", b"secret", 6, -3)
+    try:
+        r = _call(KEYRING.format(keyctl=nr[1], serial=serial), memory_mb=128)
+    finally:
+        libc.syscall(nr[1], 9, serial, -3)
+    return f"{_short(r.stdout.strip() or r.stderr.strip()[-80:])}; {_report(r)}"
+
+
+def escape_packet_ring() -> str:
+    """MemAvailable sampled every 20 ms during the call: what the host lost (noisy: other processes)."""
+    import threading
+
+    def available() -> int:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+        return 0
+
+    base, low, done = available(), [available()], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            low[0] = min(low[0], available())
+
+    t = threading.Thread(target=sample)
+    t.start()
+    try:
+        r = run_python(textwrap.dedent(PACKET_RING), timeout_s=TIMEOUT_S, memory_mb=64)
+    finally:
+        done.set()
+        t.join()
+    peak = getattr(r, "memory_peak_mb", None)
+    out = _short(r.stdout.strip() or r.stderr.strip()[-80:], 60)
+    peak_text = "—" if peak is None else f"{peak:.1f} MiB"
+    lost = (base - low[0]) / MIB
+    return f"{out}; host MemAvailable dropped {lost:.0f} MiB; memory_peak_mb {peak_text}; {_report(r)}"
+
+
+def escape_cpu() -> str:
+    """CPU time of every process of the call: the rise of `cpuacct.usage` of a fresh v1 cpuacct cgroup
+    holding this (fresh) process, so the sandbox's own per-call cgroup, if any, is created below it
+    and counted too. Processes killed with the call are in it as well (rusage would miss them: no
+    living parent reaps them)."""
+    home = None
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpuacct" in controllers.split(","):
+            mount = next(
+                (m.split()[1] for m in Path("/proc/self/mounts").read_text().splitlines()
+                 if m.split()[2] == "cgroup" and "cpuacct" in m.split()[3].split(",")),
+                None,
+            )  # fmt: skip
+            home = None if mount is None else Path(mount) / path.lstrip("/")
+    if home is None or not os.access(home, os.W_OK):
+        return "not measured: no writable v1 cpuacct cgroup"
+    top = home / f"otbrl-bench-cpu-{os.getpid()}"
+    top.mkdir()
+    try:
+        (top / "cgroup.procs").write_text(str(os.getpid()))
+        r = _call(CPU_BURN, memory_mb=128, cpu_s=1)
+        used = int((top / "cpuacct.usage").read_text()) / 1e9
+    finally:
+        (home / "cgroup.procs").write_text(str(os.getpid()))
+        HostCgroup._remove(top)
+    return f"{used:.1f} CPU-s used, {r.duration_s:.1f} s; {_report(r)}"
+
+
+def escape_simple(code: str, **kwargs) -> str:
+    return _report(_call(code, **kwargs))
+
+
+def escape_sysv() -> str:
+    from otbrl.tools import sandbox
+
+    if os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"):
+        return "not measured: needs root and /usr/bin/python3"
+    sandbox._NAMESPACES = False
+    sandbox.PYTHON = "/usr/bin/python3"
+    key = 0x07B7B000 + os.getpid() % 0xFFF
+    r = _call(SYSV.format(key=key), memory_mb=128)
+    left = [line.split()[0] for line in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]]
+    survived = str(key) in left
+    if survived:
+        subprocess.run(["ipcrm", "-M", str(key)], capture_output=True)
+    said = any("SysV" in n for n in r.notes)
+    fate = "survived" if survived else "gone"
+    return f"segment {fate} after the call; notes {'name' if said else 'do not name'} SysV IPC"
+
+
+def escape_argument(kwargs: dict) -> str:
+    start = time.perf_counter()
+    r = run_python("import time\ntime.sleep(1)\nprint('ran')", **kwargs)
+    ran = "the code ran" if "ran" in r.stdout or time.perf_counter() - start > 0.9 else "the code did not run"
+    return f"{ran}; {_short(r.error or _report(r), 80)}"
+
+
+ESCAPE_CASES = [
+    ("keyring", "1. read the caller's session key (KEYCTL_READ)", escape_keyring, ()),
+    ("packet_ring", "2. user namespace + AF_PACKET ring of 512 MiB, `memory_mb=64`", escape_packet_ring, ()),
+    ("sighup", "3. orphaned process group: SIGHUP to the sandbox's group", escape_simple, (ORPHANED_GROUP,)),
+    ("oom", "4. `oom_score_adj=0`, tmpfs files written by small programs, `memory_mb=64`", escape_simple,
+     (OOM_VICTIM,), {"memory_mb": 64, "max_file_mb": 64}),
+    ("eagain", "5. prints 'Resource temporarily unavailable', exits 1", escape_simple,
+     ("import sys\nsys.stderr.write('Resource temporarily unavailable\\n')\nsys.exit(1)",)),
+    ("sigxcpu", "5. sends itself SIGXCPU", escape_simple, ("import os\nos.kill(os.getpid(), 24)",)),
+    ("threads", "5. 64 threads under `max_processes=8`", escape_simple, (THREADS,), {"max_processes": 8}),
+    ("cpu", "6. six busy processes, `cpu_s=1`", escape_cpu, ()),
+    ("sysv", "7. namespace-less fallback: a SysV shared-memory segment", escape_sysv, ()),
+    ("arg_inf", "8. `timeout_s=inf`", escape_argument, ({"timeout_s": float("inf")},)),
+    ("arg_cpu", "8. `cpu_s=-5`", escape_argument, ({"cpu_s": -5},)),
+    ("arg_mem", "8. `memory_mb=2**44`", escape_argument, ({"memory_mb": 2**44},)),
+    ("arg_out", "8. `max_output_bytes=1.5`", escape_argument, ({"max_output_bytes": 1.5},)),
+    ("arg_bool", "8. `timeout_s=True`", escape_argument, ({"timeout_s": True},)),
+]  # fmt: skip
+
+
+def escape_case(key: str) -> dict:
+    """One issue-23 case in a fresh interpreter; the outcome as one cell of text."""
+    case = next(c for c in ESCAPE_CASES if c[0] == key)
+    fn, args = case[2], case[3]
+    kwargs = case[4] if len(case) > 4 else {}
+    if fn is escape_simple:
+        kwargs = {"memory_mb": 128, **kwargs}
+    start = time.perf_counter()
+    try:
+        outcome = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - an old checkout may lack what a case needs
+        outcome = f"not measured: {type(e).__name__}: {_short(e, 60)}"
+    seconds = round(time.perf_counter() - start, 2)
+    return {"key": key, "label": case[1], "outcome": outcome, "seconds": seconds}
+
+
+# ---------------------------------------------------------------- bubblewrap, side by side (docs/sandbox.md)
+
+PROBE = r"""
+import ctypes, os, socket, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {"x86_64": dict(add_key=248, keyctl=250, clone=56, userfaultfd=323, perf=298, ptrace=101),
+      "aarch64": dict(add_key=217, keyctl=219, clone=220, userfaultfd=282, perf=241, ptrace=117)}
+NR = NR[os.uname().machine]
+serial = int(sys.argv[1])
+def show(name, ret):
+    print(name + "\t" + ("allowed" if ret >= 0 else "refused (" + os.strerror(ctypes.get_errno()) + ")"))
+buf = ctypes.create_string_buffer(64)
+show("keyctl(KEYCTL_READ) of the caller's session key", libc.syscall(NR["keyctl"], 11, serial, buf, 64))
+show("add_key to the session keyring", libc.syscall(NR["add_key"], b"user", b"planted", b"x", 1, -3))
+pid = libc.syscall(NR["clone"], 0x10000000 | 17, 0, 0, 0, 0)
+if pid == 0:
+    os._exit(0)
+if pid > 0:
+    os.waitpid(pid, 0)
+show("clone(CLONE_NEWUSER)", pid)
+show("unshare(CLONE_NEWNET)", libc.unshare(0x40000000))
+show("userfaultfd(UFFD_USER_MODE_ONLY)", libc.syscall(NR["userfaultfd"], 1))
+attr = ctypes.create_string_buffer(128)
+ctypes.memmove(attr, (1).to_bytes(4, "little") + (128).to_bytes(4, "little"), 8)
+ctypes.memmove(ctypes.addressof(attr) + 40, (1 << 5 | 1 << 6).to_bytes(8, "little"), 8)
+show("perf_event_open (software, user only)", libc.syscall(NR["perf"], attr, 0, -1, -1, 0))
+show("ptrace(PTRACE_TRACEME)", libc.syscall(NR["ptrace"], 0, 0, 0, 0))
+try:
+    socket.socket(17, socket.SOCK_RAW, 0).close()
+    print("socket(AF_PACKET, SOCK_RAW)\tallowed")
+except OSError as e:
+    print("socket(AF_PACKET, SOCK_RAW)\trefused (" + e.strerror + ")")
+print("/proc/sys/user/max_user_namespaces\t" + open("/proc/sys/user/max_user_namespaces").read().strip())
+"""
+
+BWRAP_ARGS = (
+    "--unshare-all --unshare-user --disable-userns --new-session --die-with-parent --ro-bind /usr /usr "
+    "--symlink usr/lib /lib --symlink usr/lib64 /lib64 --symlink usr/bin /bin --proc /proc --dev /dev "
+    "--tmpfs /tmp"
+).split()
+
+# Runs as the user under test: adds a key to its session keyring, which the sandboxed probe inherits,
+# then runs the probe (argv[1:] is the sandbox's command line, the key's serial is appended).
+KEY_THEN_RUN = r"""
+import ctypes, subprocess, sys
+libc = ctypes.CDLL(None)
+libc.syscall.restype = ctypes.c_long
+nr = {"x86_64": (248, 250), "aarch64": (217, 219)}[__import__("os").uname().machine]
+serial = libc.syscall(nr[0], b"user", b"otbrl-bench-key", b"secret", 6, -3)
+try:
+    sys.stdout.write(subprocess.run(sys.argv[1:] + [str(serial)], capture_output=True, text=True).stdout)
+finally:
+    libc.syscall(nr[1], 9, serial, -3)
+"""
+
+
+def _probe_lines(text: str) -> dict:
+    return dict(line.split("\t", 1) for line in text.splitlines() if "\t" in line)
+
+
+def bwrap_comparison() -> dict:
+    """The same probe under bubblewrap (no seccomp program given: bwrap has no built-in policy) and
+    under run_python, as this user and, when root, bwrap also as `nobody`."""
+    bwrap = shutil.which("bwrap")
+    python = "/usr/bin/python3"
+    if bwrap is None or not os.path.exists(python):
+        return {"skipped": "bwrap or /usr/bin/python3 is not installed"}
+    version = subprocess.run([bwrap, "--version"], capture_output=True, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as d:
+        os.chmod(d, 0o755)
+        probe = os.path.join(d, "probe.py")
+        Path(probe).write_text(PROBE)
+        os.chmod(probe, 0o644)
+        sandboxed = [bwrap, *BWRAP_ARGS, "--ro-bind", d, d, python, probe]
+        columns = {}
+        who = [("bwrap, this user", [])]
+        if os.geteuid() == 0:
+            who.append(("bwrap, nobody", ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]))
+        for name, prefix in who:
+            command = [*prefix, python, "-c", KEY_THEN_RUN, *sandboxed]
+            out = subprocess.run(command, capture_output=True, text=True)
+            columns[name] = _probe_lines(out.stdout)
+        # run_python, as this user: the probe's key comes from this process's session keyring
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.syscall.restype = ctypes.c_long
+        nr = {"x86_64": (248, 250), "aarch64": (217, 219)}[platform.machine()]
+        serial = libc.syscall(nr[0], b"user", b"otbrl-bench-key", b"secret", 6, -3)
+        try:
+            code = f"import sys\nsys.argv = ['probe', '{serial}']\n" + PROBE
+            columns["run_python, this user"] = _probe_lines(run_python(code, timeout_s=TIMEOUT_S).stdout)
+        finally:
+            libc.syscall(nr[1], 9, serial, -3)
+    return {"version": version, "args": " ".join(BWRAP_ARGS), "columns": columns}
+
+
+def bwrap_table(result: dict) -> str:
+    if "skipped" in result:
+        return f"Not measured: {result['skipped']}."
+    columns = result["columns"]
+    rows = list(next(iter(columns.values())))
+    lines = ["| probe | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append(f"| {row} | " + " | ".join(c.get(row, "—") for c in columns.values()) + " |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -367,6 +713,19 @@ def table(now: dict, before: dict | None) -> str:
     return "\n".join(lines)
 
 
+def escape_table(now: dict, before: dict | None) -> str:
+    old = {r["key"]: r for r in (before or {}).get("escape", [])}
+    header = ["case (issue 23 class)"] + (["before"] if before else []) + ["now"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in now.get("escape", []):
+        cells = [r["label"]]
+        if before:
+            cells.append(old[r["key"]]["outcome"] if r["key"] in old else "—")
+        cells.append(r["outcome"])
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def page(now: dict, before: dict | None, command: str) -> str:
     runs = f"now: otbrl at {now['commit']}, {now['environment']}"
     if before:
@@ -411,6 +770,25 @@ Columns:
 {table(now, before)}
 
 `ToolResult.notes` now:{note_text}
+
+## Ways out and forged reports (issue 23)
+
+Each row is one call of hostile code (`timeout_s={TIMEOUT_S:g}`, `memory_mb=128` unless named), run
+against each version by the same script. The cells give what the code achieved and the fields of the
+report the issue is about. "MemAvailable dropped" is the fall of the host's `MemAvailable` during the
+call (sampled every 20 ms; other processes on the machine add noise). "CPU-s used" is the CPU time of
+every process of the call, from the bench's own `RUSAGE_CHILDREN` (the sandbox's processes are its
+descendants and are all reaped).
+
+{escape_table(now, before)}
+
+## The same probe under bubblewrap ({now.get("bwrap", {}).get("version", "not installed")})
+
+`bwrap {now.get("bwrap", {}).get("args", "")}`, with no `--seccomp` program: bubblewrap ships no
+system-call policy of its own (Flatpak passes one). The probe is in `PROBE` in this script; "this user"
+is {"root" if os.geteuid() == 0 else "uid " + str(os.geteuid())}.
+
+{bwrap_table(now.get("bwrap", {"skipped": "not run"}))}
 """
 
 
@@ -432,7 +810,20 @@ def main() -> None:
         print(json.dumps(cases[-1]), flush=True)
     cases.append(socket_case())
     print(json.dumps(cases[-1]), flush=True)
-    now = {"machine": _machine(), "environment": _environment(), "commit": _commit(), "cases": cases}
+    escape = []
+    for case in ESCAPE_CASES:
+        escape.append(in_fresh_process(escape_case, case[0]))
+        print(json.dumps(escape[-1]), flush=True)
+    bwrap = bwrap_comparison()
+    print(json.dumps(bwrap), flush=True)
+    now = {
+        "bwrap": bwrap,
+        "machine": _machine(),
+        "environment": _environment(),
+        "commit": _commit(),
+        "cases": cases,
+        "escape": escape,
+    }
 
     command = ".venv/bin/python benchmarks/bench_sandbox.py"
     if args.out.resolve() != (RESULTS / "sandbox.md").resolve():
@@ -441,6 +832,7 @@ def main() -> None:
         command += f" --before {args.before}"
     text = page(now, before, command)
     print(table(now, before))
+    print(escape_table(now, before))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     data = dict(now, before=before)

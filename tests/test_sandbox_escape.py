@@ -629,3 +629,60 @@ def test_the_syscall_tables_match_the_kernel_headers(header, machine):
     checked = [name for name in table if name in defined]
     assert len(checked) >= len(table) - 2  # open_tree_attr is newer than older headers
     assert {name: table[name] for name in checked} == {name: defined[name] for name in checked}
+
+
+# ---------------------------------------------------------------- the report's sources (no kernel)
+
+
+def test_a_launcher_that_died_gives_an_error_without_the_codes_text():
+    from otbrl.tools import sandbox
+
+    # no "exit" line: the launcher (and init) died before reporting; stderr holds the code's text
+    result = sandbox._result(b"", b"MODEL TEXT", "cgroups joined\n", None, 4096, 0.1, 5.0, 5.0, [], None, -9)
+    assert result.error is not None and "MODEL TEXT" not in result.error and "-9" in result.error
+    assert result.limit_hit is None and result.stderr == "MODEL TEXT"
+
+
+def test_limits_come_from_the_counters_not_from_the_exit(tmp_path):
+    from otbrl.tools import _cgroup, sandbox
+
+    def report(status, usage, killed_for=None):
+        return sandbox._result(b"", b"", status, killed_for, 4096, 0.1, 5.0, 2.0, [], usage, None).limit_hit
+
+    quiet = _cgroup.Usage(0, False, 1 << 20, 0, 0.5)
+    joined = "cgroups joined\n"
+    assert report(joined + f"exit {9 << 0} 0.1\n", quiet) is None  # SIGKILL, no counter: nothing
+    assert report(joined + f"exit {24} 3.0\n", quiet) is None  # SIGXCPU, the cgroup says 0.5 CPU-s
+    assert report(joined + "exit 0 0.1\n", _cgroup.Usage(0, False, 1, 3, 0.5)) == "processes"
+    assert report(joined + "exit 0 0.1\n", _cgroup.Usage(0, False, 1, 0, 2.0)) == "cpu"
+    assert report(joined + "exit 0 0.1\n", _cgroup.Usage(1, True, 1, 0, 0.5)) == "memory"
+    assert report(joined + "exit 256 0.1\nfsize reached\n", quiet) == "file_size"
+    # without cgroups (fallback): RLIMIT_CPU's signal counts only with the kernel's rusage behind it
+    assert report("exit 24 0.2\n", None) is None
+    assert report("exit 24 2.0\n", None) == "cpu"
+
+
+def test_v2_keeps_memory_pids_and_cpu_in_one_directory(tmp_path, monkeypatch):
+    from otbrl.tools import _cgroup
+
+    (tmp_path / "cgroup.subtree_control").write_text("memory pids\n")
+    found = _cgroup._find_others((str(tmp_path), 2))
+    assert found == {"cpu": (str(tmp_path), 2), "pids": (str(tmp_path), 2)}
+    (tmp_path / "cgroup.subtree_control").write_text("memory\n")
+    assert "pids is not in" in _cgroup._find_others((str(tmp_path), 2))["pids"]
+    call = tmp_path / "call"
+    call.mkdir()
+    (call / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\nsystem_usec 500000\n")
+    (call / "pids.events").write_text("max 4\n")
+    group = _cgroup.CallCgroups()
+    group.cpu = group.pids = _cgroup.Cgroup(str(call), 2)
+    assert group.cpu_seconds() == 1.5 and group.usage().forks_refused == 4
+    # a v1 delegation lists one directory per hierarchy
+    dirs = []
+    for name, marker in (("mem", "memory.limit_in_bytes"), ("pids", "pids.max"), ("acct", "cpuacct.usage")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / marker).write_text("0\n")
+        dirs.append(str(tmp_path / name))
+    monkeypatch.setenv(_cgroup.ENV_PARENT, os.pathsep.join(dirs))
+    assert _cgroup._find_parent() == (dirs[0], 1)
+    assert _cgroup._find_others((dirs[0], 1)) == {"pids": (dirs[1], 1), "cpu": (dirs[2], 1)}
