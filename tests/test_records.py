@@ -248,3 +248,11 @@ def test_a_page_is_rebuilt_from_committed_records_alone(tmp_path, monkeypatch) -
     text = page.read_text()
     assert failures == [] and "| otb-N4 | 2 |" in text and "| grpo-N4 | 2 |" in text
     assert "Runs: 4 under `abc`" in text and "not registered" in text  # records, but no registration
+
+
+def test_the_ladder_table_shows_censored_runs_beside_collapses() -> None:
+    from otbrl.app.studies.ladder import ladder_table
+
+    arm = {"seed_list": [0, 1, 2], "collapses": [None, 14, None], "censored": [True, False, False],
+           "surges": 0, "clip_fraction": [0.0, 0.0, 0.0]}  # fmt: skip
+    assert "| otb-N4 | 1/3 (+1 censored) |" in ladder_table({"otb-N4@0.0002": arm})

@@ -70,8 +70,8 @@ def stability_verdict(arms: dict[str, Any], candidate: str, baselines: list[str]
 
 
 def ladder_table(arms: dict[str, Any]) -> str:
-    """One row per estimator: collapsed seeds at each rung, the critical learning rate, surges, clipped
-    share of steps."""
+    """One row per estimator: collapsed seeds at each rung (and censored ones: below the collapse level at
+    the end, too late to count), the critical learning rate, surges, clipped share of steps."""
     table = cells(arms)
     rates = sorted({lr for rungs in table.values() for lr in rungs})
     rows = []
@@ -79,9 +79,13 @@ def ladder_table(arms: dict[str, Any]) -> str:
         mine = [stats for arm, stats in arms.items() if split(arm)[0] == base]
         clip = [c for s in mine for c in s["clip_fraction"] if c is not None and not math.isnan(c)]
         crit = critical_lr(rungs)
+        low = {split(arm)[1]: sum(stats.get("censored", [])) for arm, stats in arms.items()
+               if split(arm)[0] == base}  # fmt: skip
+        cell = {lr: f"{sum(seeds.values())}/{len(seeds)}" + (f" (+{low[lr]} censored)" if low.get(lr) else "")
+                for lr, seeds in rungs.items()}  # fmt: skip
         rows.append([
             base,
-            *(f"{sum(rungs[lr].values())}/{len(rungs[lr])}" if lr in rungs else "—" for lr in rates),
+            *(cell.get(lr, "—") for lr in rates),
             "none collapsed" if crit is None else f"{crit:g}",
             sum(s["surges"] for s in mine),
             f"{statistics.fmean(clip):.2f}" if clip else "—",

@@ -37,16 +37,20 @@ def horizon_text(h: dict[str, float]) -> str:
 
 
 def horizon(res: dict[str, Any], task: str) -> str:
-    """'walk (within-group length CV 0.53, ..., over the runs' first 10 steps)' from the runs' first steps
-    (every arm of every seed)."""
+    """'walk (within-group length CV 0.53, ..., over every step of the runs)' (every arm of every seed):
+    averaged over whole runs where the results have it, else over the runs' first 10 steps (results
+    written before whole-run horizons were kept)."""
+    whole = any(a.get("length_cv_run") for a in res["arms"].values())
+    suffix, where = ("_run", "over every step of the runs") if whole else ("_start",
+                                                                          "over the runs' first 10 steps")
     h = {}
     for key in ("length_cv", "energy_cv", "energy_reward_corr", "reward_spread"):
-        runs = [v for a in res["arms"].values() for v in a.get(f"{key}_start", [])]
+        runs = [v for a in res["arms"].values() for v in a.get(f"{key}{suffix}", [])]
         values = [v for v in runs if v is not None and v == v]  # NaN: a run without the metric
         if values:
             h[key] = statistics.fmean(values)
     text = horizon_text(h)
-    return f"{task}" + (f" ({text}, over the runs' first 10 steps)" if text else "")
+    return f"{task}" + (f" ({text}, {where})" if text else "")
 
 
 def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
