@@ -347,7 +347,7 @@ OOM_VICTIM = """
     sys.stderr.write("MODEL TEXT\\\\n")
     sys.stderr.flush()
     subprocess.Popen(["sh", "-c", "i=0; while :; do head -c 4194304 /dev/zero > f$i; i=$((i+1)); done"])
-    os.execv("/bin/sleep", ["sleep", "30"])
+    os.execv("/bin/sleep", ["sleep", "2"])
 """
 
 THREADS = """
@@ -663,10 +663,9 @@ def _commit() -> str:
             text=True,
             check=True,
         )
-        dirty = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--", "otbrl"], capture_output=True, text=True
-        ).stdout.strip()
-        return out.stdout.strip() + (" + uncommitted changes in otbrl/" if dirty else "")
+        status = ["git", "-C", str(repo), "status", "--porcelain", "--", "otbrl/tools"]
+        dirty = subprocess.run(status, capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + (" + uncommitted changes in otbrl/tools/" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -777,8 +776,8 @@ Each row is one call of hostile code (`timeout_s={TIMEOUT_S:g}`, `memory_mb=128`
 against each version by the same script. The cells give what the code achieved and the fields of the
 report the issue is about. "MemAvailable dropped" is the fall of the host's `MemAvailable` during the
 call (sampled every 20 ms; other processes on the machine add noise). "CPU-s used" is the CPU time of
-every process of the call, from the bench's own `RUSAGE_CHILDREN` (the sandbox's processes are its
-descendants and are all reaped).
+every process of the call: the rise of `cpuacct.usage` of a fresh cpuacct cgroup holding the caller
+(the sandbox's own per-call cgroup, if any, is made below it).
 
 {escape_table(now, before)}
 

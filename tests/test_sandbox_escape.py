@@ -105,6 +105,12 @@ def delegated():
 WHO = ["caller", "nobody+cgroups"]
 
 
+def _others_may_read(path: Path) -> bool:
+    """Whether a uid that is neither owner nor group member can reach and read `path`."""
+    dirs = [p for p in path.resolve().parents]
+    return all(os.stat(d).st_mode & 0o001 for d in dirs) and bool(os.stat(path).st_mode & 0o004)
+
+
 def _scenario(who, delegated, code, *, setup="", check="", **kwargs) -> dict:
     """Run one call as `who` in a fresh interpreter; the ToolResult's fields, `check` and `leftovers`."""
     kwargs.setdefault("timeout_s", 10)
@@ -124,6 +130,8 @@ def _scenario(who, delegated, code, *, setup="", check="", **kwargs) -> dict:
         python, user = "/usr/bin/python3", NOBODY
         if not os.access(python, os.X_OK):
             pytest.skip("no system interpreter to run as nobody")
+        if not _others_may_read(REPO / "otbrl" / "tools" / "sandbox.py"):
+            pytest.skip(f"{REPO} is not readable by other users (a checkout under /root, say)")
         if who == "nobody+cgroups":
             if delegated is None:
                 pytest.skip("no v1 memory, pids and cpuacct hierarchies to delegate here")
@@ -252,9 +260,11 @@ def test_no_new_namespaces_raw_sockets_or_kernel_interfaces(who, delegated):
     out = _scenario(who, delegated, NAMESPACE_ATTACK, setup="params = {'nr': NR}")
     _assert_clean(out)
     lines = out["stdout"].splitlines()
-    assert "userns limit 0" in lines, out["stdout"]
     refused = [line for line in lines if line.endswith("refused")]
     assert len(refused) == len(lines) - 1, out["stdout"]  # everything but the limit line
+    if any("no user namespace for the call" in n for n in out["notes"]):  # root where userns is off:
+        return  # the limit is the host's and must stay so; seccomp alone refuses (checked above)
+    assert "userns limit 0" in lines, out["stdout"]
 
 
 def test_ordinary_processes_threads_and_sockets_still_work():
@@ -334,7 +344,7 @@ OOM_VICTIM = """
     # Memory that no process's RSS shows (tmpfs files), written by small programs while this process
     # becomes `sleep`: the largest processes in the cgroup are then the sandbox's own Python ones.
     subprocess.Popen(["sh", "-c", "i=0; while :; do head -c 4194304 /dev/zero > f$i; i=$((i+1)); done"])
-    os.execv("/bin/sleep", ["sleep", "30"])
+    os.execv("/bin/sleep", ["sleep", "2"])
 """
 
 

@@ -423,14 +423,15 @@ def main() -> None:
             if cfg["require_isolation"]:
                 os._exit(_fail(say, f"cannot open the call's cgroup {path}: {e}"))
             say("note", f"cannot open the call's cgroup {path} ({e})")
-    root, userns = None, False
+    root, userns, unshared = None, False, False
     try:
         if not cfg["namespaces"]:
             raise OSError("disabled by the caller")
         userns = _unshare(cfg, say)
+        unshared = True
         root = _build_root(cfg)
     except OSError as e:
-        if root is None and userns:  # unshared, but no root could be built: nothing safe to fall back to
+        if unshared:  # in new namespaces but without a root to enter: no safe way to go on
             os._exit(_fail(say, f"cannot build the sandbox's root: {e}"))
         if cfg["require_isolation"]:
             os._exit(_fail(say, f"namespace isolation unavailable: {e}"))
