@@ -1,40 +1,55 @@
 """Run model-written Python in a throwaway, resource-limited process: `run_python(code) -> ToolResult`.
 
-Each call gets a fresh temporary directory and a child process tree (see `_launcher.py`) with:
-  * one memory budget for the whole call (`memory_mb`), enforced by the kernel: a memory cgroup of its
-    own (v2, or v1; see `_cgroup.py`) counts every process of the call and the memory they hold outside
-    themselves -- memfd files, shared memory, the tmpfs files they wrote. Over budget the OOM killer
-    stops a process of the call, and the cgroup's kill counter (not stderr text) sets
-    `limit_hit == "memory"`; `memory_peak_mb` is the cgroup's peak;
-  * rlimits: CPU seconds, processes, file size, open files, no core dumps; a wall-clock deadline
-    (counted from the call, startup included) after which the whole tree is killed and reaped -- also
-    when the host's pid 1 never reaps orphans;
-  * namespaces (mount, network, pid, ipc, uts, cgroup): no network but an empty loopback; a root
+docs/sandbox.md states the threat model. Each call gets a fresh temporary directory and a child process
+tree (see `_launcher.py`) with:
+  * cgroups of its own (v2, or v1; see `_cgroup.py`) that only the code's processes join -- never the
+    sandbox's launcher or init, so the OOM killer cannot pick them:
+      - one memory budget for the whole call (`memory_mb`), counting every process and the memory they
+        hold outside themselves (memfd files, shared memory, the tmpfs files they wrote). Over budget
+        the OOM killer stops a process of the call and the cgroup's kill counter sets
+        `limit_hit == "memory"`; `memory_peak_mb` is the cgroup's peak;
+      - one process-and-thread count (`max_processes`, a pids cgroup), whose count of refused forks
+        sets `limit_hit == "processes"`;
+      - one CPU budget for all processes (`cpu_s`): the supervisor reads the cgroup's CPU time every
+        50 ms and stops the call at the budget (`limit_hit == "cpu"`, `cpu_used_s`);
+  * rlimits as backstops (CPU seconds, processes) and limits (file size, open files, no core dumps);
+    a wall-clock deadline (counted from the call, startup included) after which the whole tree is
+    killed and reaped -- also when the host's pid 1 never reaps orphans;
+  * namespaces (user, mount, network, pid, ipc, uts, cgroup): no network but an empty loopback; a root
     filesystem of its own, built on a tmpfs and pivoted into, holding only the interpreter's prefix and
-    the system's programs and libraries (/usr, /bin, /lib, ...) read-only, a /dev with only null, zero,
-    full, random and urandom (no GPUs), its own /proc, and a size-limited tmpfs working directory, the
-    only writable place. The host's home directories, /tmp, /run, /var and their unix sockets are not
-    there to reach; abstract unix sockets belong to the (empty) network namespace. Every process it
-    started dies with it (pid namespace) -- also children that called setsid or double-forked;
+    the system's programs and libraries (/usr, /bin, /lib, ...) read-only and nosuid, a /dev with only
+    null, zero, full, random and urandom (no GPUs), its own /proc, and a size-limited tmpfs working
+    directory, the only writable place. The host's home directories, /tmp, /run, /var and their unix
+    sockets are not there to reach; abstract unix sockets belong to the (empty) network namespace.
+    Every process it started dies with it (pid namespace) -- also children that called setsid or
+    double-forked. Every namespace limit of the call's user namespace is 0;
+  * a system-call policy (`_seccomp.py`, in every mode) refusing key management, new namespaces,
+    packet and raw sockets, bpf, userfaultfd, perf_event_open, ptrace, io_uring, mounts, administration
+    calls and any call newer than the policy; a fresh, empty session keyring; a session and process
+    group of its own, so job-control tricks and kill(0, ...) stay inside the call;
   * as root, a uid of its own per call (`_UID_BASE + pid * 256 + slot`), so RLIMIT_NPROC binds (it does
     not for root), concurrent calls never share a process budget, and leftovers can be swept by uid
-    (trainers in different pid namespaces of one kernel could, rarely, draw the same uid).
-    As a non-root user the namespaces come from a user namespace instead, where RLIMIT_NPROC counts
-    only the sandbox's own processes (Linux >= 5.14);
+    (trainers in different pid namespaces of one kernel could, rarely, draw the same uid). As a
+    non-root user the call keeps its uid inside its user namespace, where RLIMIT_NPROC counts only the
+    sandbox's own processes (Linux >= 5.14);
   * a scrubbed environment (PATH, HOME, TMPDIR, LANG only) and `python -I` (no PYTHON* variables, no
     user site); no file descriptors but stdin (/dev/null), stdout and stderr are inherited;
   * stdout and stderr each capped at `max_output_bytes`; past that the run is stopped (limit "output").
+The report comes from the kernel and the supervisor only (see `ToolResult`): nothing the code prints,
+and no signal it sends itself, sets `limit_hit` or `error`. Every argument is checked before anything
+is written or started.
 
 Where a mechanism is missing the call still runs, weaker, and says so in `ToolResult.notes`:
-  * no memory cgroup it may create (an unprivileged user without a delegated cgroup, a container with a
-    read-only /sys/fs/cgroup; set `OTBRL_SANDBOX_CGROUP` to a delegated one): `memory_mb` then bounds
-    each process's address space (RLIMIT_AS), so memfds and several processes can hold more, and a
-    MemoryError in stderr is what reports the limit;
+  * no cgroup it may create (an unprivileged user without a delegated one, a container with a
+    read-only /sys/fs/cgroup; set `OTBRL_SANDBOX_CGROUP` to delegated directories): `memory_mb` then
+    bounds each process's address space (RLIMIT_AS), `cpu_s` each process's CPU time, `max_processes`
+    the uid's processes, and hitting the first or the last is not reported in `limit_hit`;
   * no namespaces (e.g. a container without CAP_SYS_ADMIN or user namespaces): the code runs on the
     host's filesystem (it may read what any user may read and write to world-writable directories such
-    as /tmp), socket() is refused by a seccomp filter (no network, no host unix sockets), and as a
-    non-root user neither the process count nor setsid'd children can be contained.
-Pass `require_isolation=True` to get an error result instead of either fallback.
+    as /tmp); socket(), SysV IPC and POSIX message queues are refused by the seccomp policy; as root the
+    call's uid's files in /tmp, /var/tmp and /dev/shm are removed afterwards; as a non-root user
+    neither the process count nor setsid'd children can be contained.
+Pass `require_isolation=True` to get an error result instead of any of these.
 
 `run_python` never raises: a failure of the sandbox itself comes back as `ToolResult.error`.
 """
