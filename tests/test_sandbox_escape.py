@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from otbrl.tools import run_python
+from otbrl.tools import _cgroup, run_python
+from tests.test_sandbox_hostile import _sandbox_processes
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 
@@ -60,6 +61,18 @@ mark = f"otbrl-sandbox-{os.getpid()}-"
 left = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(mark)] + _cgroup.leftovers()
 print(json.dumps({**dataclasses.asdict(result), "check": env.get("check"), "leftovers": left}))
 """
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_behind():
+    yield
+    deadline = time.monotonic() + 2
+    while _sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandbox_processes() == [], "sandbox processes survived"
+    mark = f"otbrl-sandbox-{os.getpid()}-"
+    assert [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(mark)] == []
+    assert _cgroup.leftovers() == [], "per-call cgroups survived"
 
 
 def _delegated_cgroups() -> str | None:
@@ -356,6 +369,35 @@ def test_the_code_cannot_make_the_oom_killer_take_the_supervisor(who, delegated)
     _assert_clean(out)
     assert out["limit_hit"] == "memory" and "MODEL TEXT" not in str(out["error"]), out
     assert "oom_score_adj -1000 refused" in out["stdout"]
+
+
+def test_a_supervisor_killed_from_outside_gives_an_error_without_the_codes_text():
+    import signal
+    import threading
+
+    code = "import sys, time\nsys.stderr.write('MODEL TEXT\\n')\nsys.stderr.flush()\ntime.sleep(5)"
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(result=run_python(code, timeout_s=20)))
+    start = time.monotonic()
+    thread.start()
+    launcher = None
+    while launcher is None and time.monotonic() - start < 5:  # the launcher: our child running _launcher.py
+        time.sleep(0.1)
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == os.getpid() and b"_launcher.py" in cmdline:
+                launcher = int(entry)
+    assert launcher is not None
+    time.sleep(0.5)  # the code has written its text by now
+    os.kill(launcher, signal.SIGKILL)
+    thread.join(30)
+    result = out["result"]
+    assert result.error is not None and "MODEL TEXT" not in result.error, result
+    assert result.duration_s < 5 and result.limit_hit is None
 
 
 # ---------------------------------------------------------------- 5. reports the code cannot forge
