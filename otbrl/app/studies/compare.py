@@ -365,6 +365,30 @@ def picks_and_gate(exp: Experiment, runs: list[Run], records: Path | None
     return picks, score_rows, gate_rows, ok
 
 
+def pilot_grids(exp: Experiment, runs: list[Run], records: Path | None
+                ) -> tuple[list[list[Any]], list[list[Any]]]:  # fmt: skip
+    """Per arm and rate, for reading the pilot (not for its rule): the held-out gain from step 0 to the
+    end of the run, and the within-group length CV averaged over every step of the run."""
+    lrs = sorted({r.overrides["learning_rate"] for r in runs})
+    gains, cvs = [], []
+    for arm in exp.arms:
+        mine = {r.overrides["learning_rate"]: _run_data(r, records) for r in runs
+                if r.arm.startswith(arm + "@")}  # fmt: skip
+        g, c = [arm], [arm]
+        for lr in lrs:
+            d = mine.get(lr, "—")
+            if d is None or d == "—":
+                g.append("not run" if d is None else "—")
+                c.append(g[-1])
+                continue
+            g.append(_fmt(_gain(d[1]), sign=True))
+            values = [row["otb/horizon/length_cv"] for row in d[0] if "otb/horizon/length_cv" in row]
+            c.append(_fmt(statistics.fmean(values)) if values else "—")
+        gains.append(g)
+        cvs.append(c)
+    return gains, cvs
+
+
 def _fmt(value: float | None, sign: bool = False) -> str:
     return "—" if value is None else (f"{value:+.3f}" if sign else f"{value:.3f}")
 
@@ -490,6 +514,16 @@ def pilot_page(exp: Experiment, runs: list[Any], results: Path, command: str, lo
         "highest mean train reward over the last quarter of its steps; the picks are written into the "
         "experiment's YAML before its reported runs. These numbers are not evidence for any claim.",
         grid,
+    ]
+    gains, cvs = pilot_grids(exp, runs, records)
+    head = ["arm", *(f"lr {lr}" for lr in lrs)]
+    parts += [
+        "Held-out gain of each pilot run (held-out reward at the end of its budget minus at step 0, same "
+        "prompts), for reading the pilot; the gate reads it at each arm's pick:\n\n"
+        + markdown_table(head, gains, aligned=False),
+        "Within-group length CV of each pilot run, averaged over every step (the phenomenon must hold over "
+        f"whole runs: {', '.join(f'{k} ≥ {v:g}' for k, v in exp.phenomenon.items()) or 'no floor set'}):\n\n"
+        + markdown_table(head, cvs, aligned=False),
     ]
     reg = registration(records) if records is not None else None
     if reg is not None:
