@@ -167,7 +167,8 @@ def make_record(run: Any, stamp: dict[str, Any]) -> dict[str, Any]:
         "arm": run.arm,
         "seed": run.seed,
         "overrides": comparable(run.overrides),
-        "protocol": start.get("protocol", stamp),  # the stamp the run started under
+        # the stamp the run started under; a run that finished before it was stamped stays unstamped
+        "protocol": start.get("protocol") or ({} if not started.is_file() else stamp),
         "started": start.get("started"),
         "finished": now(),
         "summary": json.loads((run.dir / "summary.json").read_text()),
