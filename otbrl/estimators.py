@@ -7,10 +7,12 @@ and baselines. Every estimator gives a group of one trajectory no baseline (A = 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from otbrl.groups import aligned_columns, from_frame, group_sums, rows_of, to_frame
@@ -22,7 +24,8 @@ EstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 @dataclass(frozen=True)
 class EstimatorSpec:
     """A registered estimator. `needs_energy`: reads per-token energy; `needs_model`: computes its own
-    inputs from a model (e.g. otb_exact), so a trainer cannot feed it from rollouts alone."""
+    inputs from a model (e.g. otb_exact), so a trainer cannot feed it from rollouts alone. `defaults`:
+    the options' keyword defaults, whose types a given value must have (see `resolve`)."""
 
     name: str
     fn: EstimatorFn
@@ -30,6 +33,7 @@ class EstimatorSpec:
     options: tuple[str, ...]
     masked_output: bool
     needs_model: bool = False
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -68,16 +72,20 @@ def register_estimator(
             raise ValueError(f"name: an estimator called {name!r} is already registered")
         params = list(inspect.signature(fn).parameters.values())[1:]
         names = options or tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
-        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_energy, tuple(names), masked_output, needs_model)
+        defaults = {p.name: p.default for p in params if p.name in names and p.default is not p.empty}
+        spec = EstimatorSpec(name, fn, needs_energy, tuple(names), masked_output, needs_model, defaults)
+        ESTIMATORS[name] = spec
         return fn
 
     return decorate
 
 
 def resolve(estimator: Any, options: Any = None, *, from_rollouts: bool = False) -> EstimatorSpec:
-    """The spec of a registered estimator, after checking its option names: the one check that
-    `compute_advantages` and every trainer adapter (TRL, verl) run. With `from_rollouts`, estimators that
-    need a model of their own (`needs_model`) are refused, as a trainer feeds estimators from rollouts."""
+    """The spec of a registered estimator, after checking its options: the one place of the option
+    rules, which `compute_advantages`, recipes and every trainer adapter (TRL, verl) run. Option names
+    must be the estimator's; given a mapping, each value must have the type of its keyword default (a
+    quoted "false" is no boolean: it would be truthy). With `from_rollouts`, estimators that need a model
+    of their own (`needs_model`) are refused, as a trainer feeds estimators from rollouts."""
     spec = ESTIMATORS.get(estimator) if isinstance(estimator, str) else None
     if spec is None or (from_rollouts and spec.needs_model):
         usable = sorted(n for n, s in ESTIMATORS.items() if not (from_rollouts and s.needs_model))
@@ -87,7 +95,26 @@ def resolve(estimator: Any, options: Any = None, *, from_rollouts: bool = False)
     if unknown:
         accepted = ", ".join(spec.options) or "none"
         raise ValueError(f"{unknown[0]}: not an option of estimator {estimator!r} (its options: {accepted})")
+    if isinstance(options, Mapping):
+        for key, value in options.items():
+            _check_option_type(key, value, spec.defaults.get(key))
     return spec
+
+
+def _check_option_type(key: str, value: Any, default: Any) -> None:
+    """`value` has the kind of `default`: a boolean, a number (no boolean or text; the estimator checks
+    its range, and takes a 0-d tensor where it says so) or a string. Anything goes for a default of
+    another kind (is_weights' None)."""
+    if isinstance(default, bool):
+        ok, want = isinstance(value, bool | np.bool_), "true or false"
+    elif isinstance(default, numbers.Real):
+        ok, want = not isinstance(value, bool | np.bool_ | str | bytes), "a number"
+    elif isinstance(default, str):
+        ok, want = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        raise ValueError(f"{key} must be {want} (like {default!r}), got {value!r}")
 
 
 def compute_advantages(

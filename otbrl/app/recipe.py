@@ -1,7 +1,8 @@
-"""Recipes: a YAML mapping of otbrl keys (task or dataset, model, reward, warm start) and `OTBGRPOConfig`
-fields, checked before anything heavy happens. Every value is read as its field's type (the types
-HfArgumentParser derives from the dataclasses, so a recipe file and the command line agree), then ranges
-and cross-field rules; each problem is one ValueError naming the key.
+"""Recipes: a YAML mapping of otbrl keys (task or dataset, model, reward, warm start: documented in
+`otbrl.app.config.RecipeKeys`) and `OTBGRPOConfig` fields, checked before anything heavy happens. Every
+value is read as its field's type (the types HfArgumentParser derives from the dataclasses, so a recipe
+file and the command line agree), then ranges and cross-field rules; each problem is one ValueError
+naming the key.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import dataclasses
 import difflib
 import enum
 import functools
-import inspect
 import math
 import re
 import types
@@ -21,74 +21,14 @@ from typing import Any
 
 import torch
 import yaml
+from transformers import HfArgumentParser
+
+from otbrl.app.config import RECIPE_DEFAULTS, TRAINER_DEFAULTS, RecipeKeys
+from otbrl.app.rewards import get_reward
+from otbrl.integrations.trl import OTBGRPOConfig
+from otbrl.tasks import get_task
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
-
-
-@dataclasses.dataclass
-class RecipeKeys:
-    """otbrl's own recipe keys; every other key must be an OTBGRPOConfig field."""
-
-    task: str | None = None  # a built-in task (otbrl.tasks.TASKS) ...
-    # ... or a dataset with prompt and answer columns: a JSONL/JSON/CSV/Parquet file, a
-    # datasets.save_to_disk directory, or a Hugging Face Hub dataset name (ORG/NAME)
-    dataset: str | None = None
-    dataset_config: str | None = None  # the hub dataset's configuration (e.g. gsm8k's "main")
-    dataset_split: str = "train"
-    dataset_revision: str | None = None
-    prompt_column: str = "prompt"
-    answer_column: str = "answer"
-    # Chat prompts (lists of {"role", "content"} messages through the tokenizer's chat template).
-    # None: chat when the tokenizer has a chat template (instruct models), plain text otherwise.
-    chat: bool | None = None
-    system_prompt: str | None = None  # the system message of chat prompts
-    # warm:<preset> (cached supervised warm start), random:<preset>, a local model directory, or a Hub
-    # model id (ORG/NAME, downloaded on a connected machine; from the cache under HF_HUB_OFFLINE=1)
-    model: str = "warm:small"
-    model_revision: str | None = None  # a Hub branch, tag or commit
-    # What loads instead when `model` is a Hub id that this machine can neither fetch nor find in its
-    # cache: a local directory, a .gguf file, or package:<package>/<file.gguf> (a model in a wheel)
-    model_fallback: str | None = None
-    # Who generates single-turn completions: "trl" (TRL's generate; OTB's energy then comes from a pass
-    # TRL makes anyway, or one extra forward) or "otbrl" (otbrl's KV-cache sampler through rollout_func:
-    # the energy comes from the sampling logits, no extra pass). Tool rollouts always use otbrl's.
-    sampler: str = "trl"
-    reward: str = "task"  # task (the built-in task's exact reward), exact, numeric or math
-    # The run stops when the reward function fails on every sample of a batch, or on more than this
-    # fraction of all samples scored so far.
-    reward_max_failure_fraction: float = 0.5
-    train_size: int = 4096  # prompts drawn for a built-in task
-    eval_size: int = 128  # held-out prompts scored before and after training
-    # Held-out evaluation also at these budgets of generated tokens (at the first step that reaches each),
-    # so that arms with different group sizes are compared at equal cost.
-    eval_at_tokens: list[int] | None = None
-    # Held-out evaluation before training (the same for every arm of a seed in a study: skip it there)
-    eval_before: bool = True
-    # Stop once this many tokens were generated (max_steps still bounds the run and sets its schedule).
-    max_generated_tokens: int | None = None
-    warm_start_target: float = 0.3
-    warm_start_seed: int = 0  # the warm start's own seed: runs with different `seed`s start from one model
-    warm_start_seconds: float = 600.0
-    tools: list[str] | None = None  # tool names for multi-turn rollouts (otbrl.rollout); None: the task's
-    max_turns: int | None = None  # tool calls per completion; None: the task's (3 without a task)
-    threads: int | None = None  # torch threads; None keeps torch's default
-    plot: bool = True
-
-
-RECIPE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RecipeKeys)}
-
-# What a CPU run needs that TRL's defaults get wrong (bf16 and gradient checkpointing are on by default).
-TRAINER_DEFAULTS: dict[str, Any] = {
-    "output_dir": "runs/otbrl",
-    "bf16": False,
-    "gradient_checkpointing": False,
-    "logging_steps": 1,
-    "report_to": ["tensorboard"],
-    "save_strategy": "steps",
-    "save_steps": 50,
-    "beta": 0.0,
-    "seed": 0,
-}
 
 
 def recipe_names() -> list[str]:
@@ -97,7 +37,9 @@ def recipe_names() -> list[str]:
 
 # ----------------------------------------------------------------------------------------------------
 # Reading values. YAML 1.1 (PyYAML's default) reads `no`/`yes`/`on`/`off` as booleans and `1e-4` as a
-# string; recipes follow YAML 1.2 instead: only true/false are booleans and 1e-4 is a float.
+# string; recipes follow YAML 1.2 instead: only true/false are booleans and 1e-4 is a float. TRL's and
+# transformers' YAML readers (TrlParser, HfArgumentParser.parse_yaml_file) are YAML 1.1 and do not read
+# values as their fields' types (tests/test_config.py shows both), hence this loader.
 
 _BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
 
@@ -147,21 +89,27 @@ def parse_value(text: str) -> Any:
         return text
 
 
+class _FieldParser(HfArgumentParser):
+    """HfArgumentParser that keeps the argparse action it derives for each dataclass field, as
+    `add_argument` returns it. A `bool = True` field also gets a `--no_<field>` store-false action with the
+    same dest, added after the field's own: the first action of a dest is the one that reads a value."""
+
+    def __init__(self, dataclass_types: list[type]) -> None:
+        self.field_actions: dict[str, argparse.Action] = {}
+        super().__init__(dataclass_types)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.field_actions.setdefault(action.dest, action)
+        return action
+
+
 @functools.cache
 def _schema() -> tuple[dict[str, argparse.Action], dict[str, Any], dict[str, Any]]:
     """(argparse action, type hint, default) of every recipe key, as HfArgumentParser derives them from
     RecipeKeys and OTBGRPOConfig (the same reading `TrlParser` gives a command line)."""
-    from transformers import HfArgumentParser
-
-    from otbrl.integrations.trl import OTBGRPOConfig
-
-    parser = HfArgumentParser([RecipeKeys, OTBGRPOConfig])
-    # A `bool = True` field also gets a `--no_<field>` store-false action with the same dest: the
-    # field's own action (type string_to_bool) is the one that reads a value.
-    actions = {
-        a.dest: a for a in parser._actions
-        if a.dest != "help" and not isinstance(a, argparse._StoreFalseAction)
-    }  # fmt: skip
+    actions = _FieldParser([RecipeKeys, OTBGRPOConfig]).field_actions
+    actions.pop("help")
     hints = {**typing.get_type_hints(OTBGRPOConfig), **typing.get_type_hints(RecipeKeys)}
     defaults = {f.name: f.default for f in dataclasses.fields(OTBGRPOConfig)} | RECIPE_DEFAULTS
     return actions, hints, defaults
@@ -313,12 +261,8 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
     if recipe["task"] and recipe["dataset"]:
         raise ValueError("dataset: give either task or dataset, not both")
     if recipe["task"]:
-        from otbrl.tasks import get_task
-
         get_task(recipe["task"])  # unknown names fail here
     if recipe["reward"] != "task":
-        from otbrl.app.rewards import get_reward
-
         get_reward(recipe["reward"])
     elif recipe["dataset"]:
         raise ValueError("reward: 'task' needs a built-in task; use exact, numeric or math for a dataset")
@@ -329,44 +273,15 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
         raise ValueError(f"sampler: must be trl or otbrl, got {recipe['sampler']!r}")
     if recipe["chat"] and recipe["tools"]:
         raise ValueError("chat: tool rollouts take plain-text prompts; set chat: false or drop tools")
-    check_estimator_options(recipe["advantage_estimator"], recipe["estimator_options"])
+    options = recipe["estimator_options"]
+    if not (options is None or isinstance(options, dict)):  # names and values: OTBGRPOConfig (resolve)
+        raise ValueError(f"estimator_options: expected a mapping ({{leave_one_out: true}}), got {options!r}")
     return make_config(given)  # TRL's own checks last: ours name the key and the rule
 
 
-def check_estimator_options(name: str, options: Any) -> None:
-    """Each option's value has the type of the estimator's keyword default: a quoted "false" is not a
-    boolean (it would be truthy)."""
-    import otbrl
-
-    if isinstance(options, str):
-        options = parse_value(options)
-    if options is None:
-        return
-    if not isinstance(options, dict):
-        raise ValueError(f"estimator_options: expected a mapping ({{leave_one_out: true}}), got {options!r}")
-    spec = otbrl.ESTIMATORS.get(name)
-    if spec is None:
-        return  # OTBGRPOConfig names the unknown estimator
-    params = inspect.signature(spec.fn).parameters
-    for key, value in options.items():
-        default = params[key].default if key in params else None
-        if isinstance(default, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(default, int | float):
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-        elif isinstance(default, str):
-            ok = isinstance(value, str)
-        else:
-            ok = True
-        if not ok:
-            want = _describe(bool if isinstance(default, bool) else type(default))
-            raise ValueError(f"estimator_options: {key} must be {want} (like {default!r}), got {value!r}")
-
-
 def make_config(recipe: dict[str, Any]) -> Any:
-    """The OTBGRPOConfig of a typed recipe; its own checks become one-line ValueErrors."""
-    from otbrl.integrations.trl import OTBGRPOConfig
-
+    """The OTBGRPOConfig of a typed recipe; its own checks (the estimator's options among them, by
+    `otbrl.estimators.resolve`) become one-line ValueErrors."""
     fields = {f.name for f in dataclasses.fields(OTBGRPOConfig)}
     try:
         return OTBGRPOConfig(

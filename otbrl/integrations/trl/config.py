@@ -17,8 +17,68 @@ from otbrl.stability import LengthSurgeDecay
 
 @dataclass
 class OTBGRPOConfig(GRPOConfig):
-    """GRPOConfig plus the advantage estimator. `estimator_options` holds the estimator's keywords
-    (e.g. {"leave_one_out": true}); a JSON string is accepted, as from a command line."""
+    r"""
+    TRL's `GRPOConfig` (every field of it documented there) plus otbrl's advantage estimator and stability
+    settings. GRPOConfig options that shape TRL's own sequence-level advantages either raise (when they would
+    change what is trained) or warn (when they merely do nothing under a (B, T) estimator): see
+    `_check_trl_options`.
+
+    Parameters:
+        > Advantage estimator
+
+        advantage_estimator (`str`, *optional*, defaults to `"otb"`):
+            A registered otbrl estimator (`otbrl.ESTIMATORS`) that a trainer can feed from rollouts (not
+            `otb_exact`, which needs a model of its own).
+        estimator_options (`dict`, `str` or `None`, *optional*, defaults to `None`):
+            The estimator's keyword options, e.g. `{"leave_one_out": true}`; a JSON string is accepted, as
+            from a command line. Names and value types are checked by `otbrl.estimators.resolve`, the one
+            place of these rules (recipes and verl use it too). `is_weights` is no option: with vLLM
+            generation, TRL's importance-sampling ratios reach the estimator by themselves.
+        energy_from_logits (`bool`, *optional*, defaults to `False`):
+            Per-token energy from the model's own logits (tiled over rows), for an output head otbrl does not
+            recognise. Otherwise it comes from the sampler, TRL's old-log-prob pass, or hidden states and the
+            output head.
+
+        > Grad-norm surge detector (`otbrl.stability.SurgeDetector`)
+
+        surge_factor (`float`, *optional*, defaults to `3.0`):
+            A step whose grad norm exceeds this factor times the running median is a surge.
+        surge_window (`int`, *optional*, defaults to `50`):
+            Steps in the running median.
+
+        > Length-surge LR decay (`otbrl.stability.LengthSurgeDecay`, whose docstring has the rule)
+
+        length_decay (`bool`, *optional*, defaults to `False`):
+            Decay the learning rate when the completion length surges. Counted in logging steps: the rule sees
+            one mean length per log. The `length_decay_*` values are checked even when this is off.
+        length_decay_factor (`float`, *optional*, defaults to `0.5`):
+            Learning-rate multiplier per trigger.
+        length_decay_threshold (`float`, *optional*, defaults to `1.25`):
+            A step is high when the smoothed length exceeds this times the median of the window ...
+        length_decay_zscore (`float`, *optional*, defaults to `3.0`):
+            ... and the median plus this many times the series' step-to-step noise.
+        length_decay_smoothing (`float`, *optional*, defaults to `0.2`):
+            EMA weight of the newest length.
+        length_decay_window (`int`, *optional*, defaults to `50`):
+            Steps in the baseline (median and noise).
+        length_decay_warmup (`int`, *optional*, defaults to `20`):
+            Lengths seen before any trigger.
+        length_decay_patience (`int`, *optional*, defaults to `3`):
+            Consecutive high steps that fire a trigger.
+        length_decay_cooldown (`int`, *optional*, defaults to `20`):
+            Steps with no trigger after one.
+        length_decay_min_factor (`float`, *optional*, defaults to `0.1`):
+            Floor of the cumulative learning-rate multiplier.
+        length_decay_on_grad_surge (`bool`, *optional*, defaults to `False`):
+            A grad-norm surge fires a trigger too.
+
+        > Resuming
+
+        restore_callback_states_from_checkpoint (`bool`, *optional*, defaults to `True`):
+            transformers' field, with otbrl's default: restore stateful callbacks (the surge detector) on
+            resume, so that a resumed run continues where it stopped (transformers leaves them at their
+            initial state unless asked).
+    """
 
     advantage_estimator: str = field(
         default="otb", metadata={"help": "an otbrl estimator: " + ", ".join(sorted(otbrl.ESTIMATORS))}
@@ -37,8 +97,7 @@ class OTBGRPOConfig(GRPOConfig):
         default=3.0, metadata={"help": "grad-norm surge: factor over the running median"}
     )
     surge_window: int = field(default=50, metadata={"help": "grad-norm surge: steps in the running median"})
-    # Length-surge LR decay: otbrl.stability.LengthSurgeDecay (its docstring has the rule) under
-    # length_decay_<its argument>. Counted in logging steps: it sees one mean length per log.
+    # Length-surge LR decay: otbrl.stability.LengthSurgeDecay's arguments under length_decay_<argument>.
     length_decay: bool = field(default=False, metadata={"help": "decay the LR when completion length surges"})
     length_decay_factor: float = field(default=0.5, metadata={"help": "LR multiplier per trigger"})
     length_decay_threshold: float = field(default=1.25, metadata={"help": "high: smoothed length/median >"})
@@ -50,8 +109,6 @@ class OTBGRPOConfig(GRPOConfig):
     length_decay_cooldown: int = field(default=20, metadata={"help": "steps with no trigger after one"})
     length_decay_min_factor: float = field(default=0.1, metadata={"help": "floor of the LR multiplier"})
     length_decay_on_grad_surge: bool = field(default=False, metadata={"help": "a grad-norm surge fires too"})
-    # transformers leaves stateful callbacks (here the surge detector) at their initial state on resume
-    # unless asked; a resumed run should continue where it stopped.
     restore_callback_states_from_checkpoint: bool = field(
         default=True, metadata={"help": "restore stateful callbacks (the surge detector) on resume"}
     )

@@ -11,11 +11,14 @@ from typing import Any
 import torch
 
 from otbrl.energy import token_energy_from_logprobs
-from otbrl.estimators import compute_advantages
+from otbrl.estimators import ESTIMATORS, compute_advantages, resolve
 from otbrl.inputs import rewards_onto_policy_tokens
 from otbrl.integrations.verl.common import TRAINER_MODE, VERL_ESTIMATORS, current_token_stats
 
-_OPTIONS = ("leave_one_out", "zero_tail", "eps", "use_is_weights")
+# otb's options, less the two this adapter sets (align from the estimator's name, is_weights from verl's
+# rollout importance weights), plus its own switch use_is_weights. Their rules are otb's (resolve).
+_SET_HERE = ("align", "is_weights")
+_OPTIONS = (*(name for name in ESTIMATORS["otb"].options if name not in _SET_HERE), "use_is_weights")
 
 
 def otbrl_options(config: Any) -> dict[str, Any]:
@@ -56,6 +59,13 @@ def estimator_options(name: str, config: Any) -> dict[str, Any]:
             f"algorithm.otbrl.leave_one_out: false contradicts adv_estimator {name!r}, the leave-one-out "
             f"form; use {base!r} for the self-inclusive one, or drop the option"
         )
+    use_is = options.get("use_is_weights", True)
+    if not isinstance(use_is, bool):
+        raise ValueError(f"algorithm.otbrl.use_is_weights: expected true or false, got {use_is!r}")
+    try:  # otb's own rules for the values of its options
+        resolve("otb", {k: v for k, v in options.items() if k != "use_is_weights"})
+    except ValueError as err:
+        raise ValueError(f"algorithm.otbrl.{err}") from None
     return options
 
 

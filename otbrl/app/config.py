@@ -1,0 +1,157 @@
+"""The configuration of a recipe: otbrl's own keys (`RecipeKeys`, each documented below) and the
+`OTBGRPOConfig` defaults a recipe changes for a CPU run (`TRAINER_DEFAULTS`). Every other recipe key is an
+`OTBGRPOConfig` field, documented there and in TRL's `GRPOConfig`. `otbrl.app.recipe` reads and checks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class RecipeKeys:
+    r"""
+    otbrl's own recipe keys. A recipe (a YAML file, or `--key value` after `otbrl train`) holds these and any
+    field of `OTBGRPOConfig` (TRL's `GRPOConfig` plus the advantage estimator and the stability settings);
+    nothing else is a recipe key.
+
+    Parameters:
+        > Prompts: a built-in task or a dataset
+
+        task (`str` or `None`, *optional*, defaults to `None`):
+            A built-in task (`otbrl.tasks.TASKS`: prompts, answers and an exact reward). Give either `task` or
+            `dataset`.
+        dataset (`str` or `None`, *optional*, defaults to `None`):
+            A dataset with prompt and answer columns: a JSONL/JSON/CSV/Parquet file, a `datasets.save_to_disk`
+            directory, or a Hugging Face Hub dataset name (`ORG/NAME`).
+        dataset_config (`str` or `None`, *optional*, defaults to `None`):
+            The Hub dataset's configuration (e.g. gsm8k's `"main"`).
+        dataset_split (`str`, *optional*, defaults to `"train"`):
+            The split prompts are read from.
+        dataset_revision (`str` or `None`, *optional*, defaults to `None`):
+            A Hub dataset's branch, tag or commit.
+        prompt_column (`str`, *optional*, defaults to `"prompt"`):
+            The dataset's column of prompts.
+        answer_column (`str`, *optional*, defaults to `"answer"`):
+            The dataset's column of reference answers, handed to the reward.
+        chat (`bool` or `None`, *optional*, defaults to `None`):
+            Chat prompts (lists of `{"role", "content"}` messages through the tokenizer's chat template).
+            `None`: chat when the tokenizer has a chat template (instruct models), plain text otherwise.
+        system_prompt (`str` or `None`, *optional*, defaults to `None`):
+            The system message of chat prompts.
+        train_size (`int`, *optional*, defaults to `4096`):
+            Prompts drawn for a built-in task.
+
+        > Model
+
+        model (`str`, *optional*, defaults to `"warm:small"`):
+            `warm:<preset>` (a cached supervised warm start), `random:<preset>`, a local model directory,
+            a `.gguf` file or a folder holding one, `package:<package>/<file.gguf>` (a model in a wheel),
+            or a Hub model id (`ORG/NAME`: downloaded on a connected machine, read from the cache under
+            `HF_HUB_OFFLINE=1`).
+        model_revision (`str` or `None`, *optional*, defaults to `None`):
+            A Hub model's branch, tag or commit.
+        model_fallback (`str` or `None`, *optional*, defaults to `None`):
+            What loads instead when `model` is a Hub id that this machine can neither fetch nor find in its
+            cache: a local directory, a `.gguf` file, or `package:<package>/<file.gguf>`.
+
+        > Generation
+
+        sampler (`str`, *optional*, defaults to `"trl"`):
+            Who generates single-turn completions: `"trl"` (TRL's generate; OTB's energy then comes from a
+            pass TRL makes anyway, or one extra forward) or `"otbrl"` (otbrl's KV-cache sampler through
+            `rollout_func`: the energy comes from the sampling logits, no extra pass). Tool rollouts always
+            use otbrl's.
+        tools (`list[str]` or `None`, *optional*, defaults to `None`):
+            Tool names for multi-turn rollouts (`otbrl.rollout`). `None`: the task's tools.
+        max_turns (`int` or `None`, *optional*, defaults to `None`):
+            Tool calls per completion. `None`: the task's (3 without a task).
+
+        > Reward
+
+        reward (`str`, *optional*, defaults to `"task"`):
+            `task` (the built-in task's exact reward), `exact`, `numeric` or `math` (`otbrl.app.rewards`).
+        reward_max_failure_fraction (`float`, *optional*, defaults to `0.5`):
+            The run stops when the reward function fails on every sample of a batch, or on more than this
+            fraction of all samples scored so far.
+
+        > Evaluation and budget
+
+        eval_size (`int`, *optional*, defaults to `128`):
+            Held-out prompts (never training prompts) scored before and after training.
+        eval_at_tokens (`list[int]` or `None`, *optional*, defaults to `None`):
+            Held-out evaluation also at these budgets of generated tokens (at the first step that reaches
+            each), so that arms with different group sizes are compared at equal cost.
+        eval_before (`bool`, *optional*, defaults to `True`):
+            Held-out evaluation before training (the same for every arm of a seed in a study: skip it there).
+        max_generated_tokens (`int` or `None`, *optional*, defaults to `None`):
+            Stop once this many tokens were generated (`max_steps` still bounds the run and sets its
+            schedule).
+
+        > Warm start (`model: warm:<preset>`)
+
+        warm_start_target (`float`, *optional*, defaults to `0.3`):
+            Supervised training stops once the sampled reward (temperature 1, fixed prompts) reaches this.
+        warm_start_seed (`int`, *optional*, defaults to `0`):
+            The warm start's own seed: runs with different `seed`s start from one model.
+        warm_start_seconds (`float`, *optional*, defaults to `600.0`):
+            Supervised training stops after this many seconds if the target is not reached.
+
+        > Machine and output
+
+        threads (`int` or `None`, *optional*, defaults to `None`):
+            torch threads. `None` keeps torch's default.
+        plot (`bool`, *optional*, defaults to `True`):
+            Draw `curves.png` in the output directory.
+
+        > OTBGRPOConfig fields whose defaults a recipe changes (`TRAINER_DEFAULTS`)
+
+        What a CPU run needs where TRL's defaults differ (bf16 and gradient checkpointing are on there):
+        `output_dir: runs/otbrl`, `bf16: false`, `gradient_checkpointing: false`, `logging_steps: 1`,
+        `report_to: [tensorboard]`, `save_strategy: steps`, `save_steps: 50`, `beta: 0.0`, `seed: 0`.
+    """
+
+    task: str | None = None
+    dataset: str | None = None
+    dataset_config: str | None = None
+    dataset_split: str = "train"
+    dataset_revision: str | None = None
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+    chat: bool | None = None
+    system_prompt: str | None = None
+    model: str = "warm:small"
+    model_revision: str | None = None
+    model_fallback: str | None = None
+    sampler: str = "trl"
+    reward: str = "task"
+    reward_max_failure_fraction: float = 0.5
+    train_size: int = 4096
+    eval_size: int = 128
+    eval_at_tokens: list[int] | None = None
+    eval_before: bool = True
+    max_generated_tokens: int | None = None
+    warm_start_target: float = 0.3
+    warm_start_seed: int = 0
+    warm_start_seconds: float = 600.0
+    tools: list[str] | None = None
+    max_turns: int | None = None
+    threads: int | None = None
+    plot: bool = True
+
+
+RECIPE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RecipeKeys)}
+
+# Documented in RecipeKeys' docstring, last section.
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "output_dir": "runs/otbrl",
+    "bf16": False,
+    "gradient_checkpointing": False,
+    "logging_steps": 1,
+    "report_to": ["tensorboard"],
+    "save_strategy": "steps",
+    "save_steps": 50,
+    "beta": 0.0,
+    "seed": 0,
+}
