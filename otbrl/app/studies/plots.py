@@ -30,19 +30,34 @@ def save(fig: Any, path: Path, dpi: int, tight: bool = True, **options: Any) -> 
 
 
 def plot_curves(metrics: Path, png: Path, title: str = "") -> None:
-    """One run: train reward (per step and a trailing 10-step mean) and gradient norm, against generated
-    tokens; red lines where a gradient-norm surge was flagged."""
+    """One run against generated tokens: train reward (per step and a trailing 10-step mean) with the
+    held-out evaluations, completion length (mean, and the within-group length CV where logged), and the
+    gradient norm with red lines where a surge was flagged."""
     plt = pyplot()
     rows = read_metrics(metrics)
     rewarded = [r for r in rows if "reward" in r]
     tokens = [r["generated_tokens"] for r in rewarded]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     top.plot(tokens, [r["reward"] for r in rewarded], lw=1, alpha=0.4, label="per step")
     smooth = moving_average([r["reward"] for r in rewarded], 10, centred=False)
     top.plot(tokens[: len(smooth)], smooth, lw=2, label="moving average (10 steps)")
-    top.set_ylabel("train reward")
+    held = [r for r in rows if r.get("heldout_reward") is not None]
+    if held:
+        top.plot([r["generated_tokens"] for r in held], [r["heldout_reward"] for r in held], "ko-",
+                 label="held-out")  # fmt: skip
+    top.set_ylabel("reward")
     top.legend(loc="lower right")
     top.set_title(title)
+    lengths = [r for r in rows if "completions/mean_length" in r]
+    middle.plot([r["generated_tokens"] for r in lengths], [r["completions/mean_length"] for r in lengths],
+                lw=1, label="mean completion length")  # fmt: skip
+    middle.set_ylabel("tokens")
+    cv = [r for r in rows if r.get("otb/horizon/length_cv") is not None]
+    if cv:
+        twin = middle.twinx()
+        twin.plot([r["generated_tokens"] for r in cv], [r["otb/horizon/length_cv"] for r in cv], lw=1,
+                  color="tab:orange", alpha=0.7)  # fmt: skip
+        twin.set_ylabel("length CV within groups", color="tab:orange")
     normed = [r for r in rows if "grad_norm" in r]
     bottom.plot([r["generated_tokens"] for r in normed], [r["grad_norm"] for r in normed], lw=1)
     surges = [r["generated_tokens"] for r in rows if r.get("otb/grad_norm_surge")]
