@@ -114,7 +114,7 @@ def _logprob_tile_update(p: PartialStats, z: torch.Tensor, local: torch.Tensor) 
 def _triton_usable(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     if not hidden.is_cuda or torch.float64 in (hidden.dtype, weight.dtype):  # float64: torch path
         return False
-    try:
+    try:  # triton is optional (CUDA only); the core works with torch alone
         import triton  # noqa: F401
     except ImportError:
         return False
@@ -145,7 +145,7 @@ def fused_token_stats(
     shape = tokens.shape
     h, y = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
     if backend == "triton" or (backend == "auto" and _triton_usable(hidden, weight)):
-        from otbrl.fused_triton import triton_token_stats
+        from otbrl.fused_triton import triton_token_stats  # imports triton: only when it is used
 
         stats = triton_token_stats(h, weight, y, temperature, bias)
     else:

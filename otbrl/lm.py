@@ -157,7 +157,7 @@ def _zero3_gather(params: list[torch.nn.Parameter]) -> Any:
     partitioned = [p for p in params if p is not None and hasattr(p, "ds_id")]
     if not partitioned:
         return nullcontext()
-    import deepspeed
+    import deepspeed  # heavy and optional: present only where a ZeRO-3 run put partitioned parameters here
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     unique = {id(p): p for p in partitioned if p.ds_status != ZeroParamStatus.AVAILABLE}

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
 from otbrl.app.studies.runs import append_metrics, read_metrics, write_metrics
 
 
@@ -60,8 +63,6 @@ def metrics_callback(
 ) -> Any:
     """Also, per row: `clipped` (the pre-clip grad norm exceeded max_grad_norm), `prompts_sha` (the
     ledger's digest) and, at a budget, `heldout_reward` with the budgets it answers (`heldout_budgets`)."""
-    from transformers import TrainerCallback
-
     budgets = budgets or TokenBudgets()
 
     class MetricsJsonl(TrainerCallback):
@@ -112,8 +113,6 @@ def metrics_callback(
 
 
 def progress_callback(tokens_per_step: int, bar: bool) -> Any:
-    from transformers import TrainerCallback
-
     class CompactProgress(TrainerCallback):
         """A progress bar (or, with disable_tqdm, one line per log) showing step, reward, grad norm and
         generated tokens/s, in place of transformers' per-step dict of every metric."""
@@ -125,8 +124,6 @@ def progress_callback(tokens_per_step: int, bar: bool) -> Any:
         def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
             self.clock, self.step = time.perf_counter(), state.global_step
             if bar and state.is_world_process_zero:
-                from tqdm.auto import tqdm
-
                 self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step")
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201

@@ -84,7 +84,7 @@ def numeric(completions: list[str], answer: list[str], **_: Any) -> list[float]:
 
 
 def math_answer(completions: list[str], answer: list[str], **_: Any) -> list[float]:
-    try:
+    try:  # the optional 'math' extra, needed by this reward alone
         from math_verify import parse, verify
     except ImportError as err:
         raise ImportError("the 'math' reward needs math-verify: pip install 'otbrl[math]'") from err

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from otbrl.rollout.sampler import decode, sample
+from otbrl.tools import calculator, run_python
 
 Tool = Callable[[str], str]
 OUTPUT_START, OUTPUT_END = ":", ";"  # around a tool's output in the context
@@ -27,7 +28,6 @@ OUTPUT_START, OUTPUT_END = ":", ";"  # around a tool's output in the context
 
 def default_tools() -> dict[str, Tool]:
     """`calc(1+2*3)`: the safe arithmetic calculator; `py(print(1))`: Python in the sandbox."""
-    from otbrl.tools import calculator, run_python
 
     def py(code: str) -> str:
         return run_python(code, timeout_s=2, memory_mb=256, max_output_bytes=200).to_text()

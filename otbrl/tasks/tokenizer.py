@@ -25,6 +25,7 @@ def char_tokenizer(model_max_length: int = MODEL_MAX_LENGTH) -> PreTrainedTokeni
     """The character tokenizer: ids 0-3 are `<pad> <bos> <eos> <unk>`, then digits, lowercase letters and
     the symbols `+=;,.:()?*-` and space. Unknown characters map to `<unk>`. Pads on the left by default
     (what batched generation wants); pass `padding_side="right"` to a call to override."""
+    # heavy, from the trl extra: imported on use, so the vocabulary constants stay light
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

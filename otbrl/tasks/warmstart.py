@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.resources
 import json
 import os
 import random
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 import transformers
+from tqdm.auto import tqdm  # a dependency of transformers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -31,8 +33,10 @@ from otbrl.tasks.tokenizer import char_tokenizer
 WARM_START_VERSION = 1
 
 
-# Warm starts that ship inside the package, so a fresh machine need not rebuild them (read-only).
-SHIPPED = Path(__file__).resolve().parents[1] / "app" / "checkpoints"
+# Warm starts that ship inside the package, so a fresh machine need not rebuild them (read-only). They are
+# the application's package data (otbrl/app/checkpoints, listed in pyproject's package-data), found by
+# package name through importlib.resources wherever otbrl is installed, not by a path relative to this file.
+SHIPPED = Path(str(importlib.resources.files("otbrl.app") / "checkpoints"))
 
 
 def default_cache_dir() -> Path:
@@ -131,7 +135,7 @@ def warm_start(
     eval history and `cached`. The result is stored under `cache_dir` (default `default_cache_dir()`);
     a later call with the same settings loads it instead of training, unless the stored run missed the
     target with a smaller time budget than asked for now. `cache_dir=False` disables caching. `log`
-    gets progress lines (a tqdm bar is used when tqdm is installed); `None` silences it.
+    gets progress lines (and a tqdm bar); `None` silences it.
     """
     task = get_task(task_name)
     spec = {
@@ -329,11 +333,7 @@ def _command(spec: dict[str, Any], max_seconds: float) -> str:
     return f"python -m otbrl.tasks.warmstart {spec['task']} {opts} --max-seconds {max_seconds}"
 
 
-def _progress(max_seconds: float, name: str):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
+def _progress(max_seconds: float, name: str) -> tqdm:
     fmt = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s {postfix}"
     return tqdm(total=max_seconds, desc=f"warm start {name}", bar_format=fmt, leave=False)
 

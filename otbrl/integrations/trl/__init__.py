@@ -6,17 +6,17 @@ on GRPOTrainer internals, so the TRL version is checked on import: older than th
 refused, newer runs with a warning that names the tested range.
 """
 
+import warnings
+
+import trl
+from packaging.version import Version
+
 TESTED_TRL = ("1.16", "1.17")  # [low, high): the range this adapter was tested with
 
 
 def _check_trl_version() -> None:
     """An older TRL lacks what the adapter needs: refused. A newer one runs with one loud warning, as
     the adapter relies on GRPOTrainer internals that a release may change."""
-    import warnings
-
-    import trl
-    from packaging.version import Version
-
     low, high = TESTED_TRL
     found = Version(trl.__version__)
     if found < Version(low):

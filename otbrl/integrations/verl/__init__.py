@@ -55,6 +55,7 @@ def use_chunked_sum_pi_squared() -> None:
     """Compute Σπ² in verl's actor with otbrl's chunked passes: from the logits with float32
     accumulation and one working tile instead of full float32 copies of the (tokens, vocab) logits,
     and, with verl's fused kernels on (where verl refuses), from the hidden states and output head."""
+    # On demand (OTBRL_VERL_CHUNKED_SUM_PI_SQ=1): the fused module patches verl's actor internals
     from verl.utils import torch_functional
 
     from otbrl.integrations.verl import fused as verl_fused

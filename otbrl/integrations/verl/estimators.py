@@ -121,7 +121,7 @@ def _estimator(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
 
 def register_estimators() -> None:
     """Register otbrl's estimators in verl's registry (idempotent)."""
-    from verl.trainer.ppo import core_algos
+    from verl.trainer.ppo import core_algos  # verl is heavy: imported when verl loads this plugin
 
     for name in VERL_ESTIMATORS:
         if name not in core_algos.ADV_ESTIMATOR_REGISTRY:
