@@ -10,12 +10,13 @@ from otbrl.tasks.split import draw, held_out
 
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_train_and_heldout_never_share_a_prompt(name):
-    train = {r["prompt"] for r in dataset(name, 400, seed=0, split="train")}
-    heldout = {r["prompt"] for r in dataset(name, 200, seed=1, split="heldout")}
-    assert train and heldout and not train & heldout
-    fraction = TASKS[name].heldout_fraction
-    assert all(held_out(p, fraction, name) for p in heldout)
-    assert not any(held_out(p, fraction, name) for p in train)
+    task = TASKS[name]
+    key = task.split_key or (lambda prompt: prompt)
+    train = {key(r["prompt"]) for r in dataset(name, 400, seed=0, split="train")}
+    heldout = {key(r["prompt"]) for r in dataset(name, 100, seed=1, split="heldout")}
+    assert train and heldout and not train & heldout  # no shared prompt, nor problem where keyed
+    assert all(held_out(k, task.heldout_fraction, name) for k in heldout)
+    assert not any(held_out(k, task.heldout_fraction, name) for k in train)
 
 
 def test_split_rows_are_reproducible_and_whole_space_unchanged():
@@ -57,3 +58,11 @@ def test_heldout_rows_are_distinct_and_a_too_small_side_is_refused():
     assert not train & {r["prompt"] for r in rows}
     with pytest.raises(ValueError, match="distinct held-out prompts"):
         dataset("walk", 1200, seed=1, split="heldout")
+
+
+def test_chat_problems_fall_on_one_side_in_every_wording():
+    from otbrl.tasks.chat import problem_key
+
+    assert problem_key("What is 7 + 12? Reply with the number only.") == problem_key("What is 12 + 7?")
+    rows = dataset("chat_rows", 300, seed=0, split="train")
+    assert len({r["prompt"] for r in rows}) > len({problem_key(r["prompt"]) for r in rows})  # wordings vary

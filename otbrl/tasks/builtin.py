@@ -39,6 +39,9 @@ class Task:
     # The share of the prompt space held out from training (`otbrl.tasks.split`): `dataset(split=...)`.
     heldout_fraction: float = 0.25
     split_key: Callable[[str], str] | None = None  # the problem a prompt poses (default: the prompt)
+    # "char": written in the tiny models' character vocabulary (`otbrl.tasks.tokenizer`); "text": natural
+    # language for a pretrained model's own tokenizer (`otbrl.tasks.chat`)
+    vocabulary: str = "char"
 
     def score(self, prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
         """Rewards of a batch, in the form `otbrl.rollout.evaluate` takes."""

@@ -14,11 +14,13 @@ import re
 from otbrl.tasks.builtin import Task
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,024 -> 1024; "1,9" stays two numbers
 
 
 def final_number_reward(completion: str, answer: str) -> float:
-    """1.0 when the last number written in the completion equals the answer (commas ignored), else 0.0."""
-    numbers = _NUMBER.findall(completion.replace(",", ""))
+    """1.0 when the last number written in the completion equals the answer (thousands separators
+    read), else 0.0."""
+    numbers = _NUMBER.findall(_THOUSANDS.sub("", completion))
     return float(bool(numbers) and float(numbers[-1]) == float(answer))
 
 
@@ -58,6 +60,7 @@ CHAT_TASKS: dict[str, Task] = {
             reward=final_number_reward,
             heldout_fraction=0.3,
             split_key=problem_key,
+            vocabulary="text",
         ),
         Task(
             name="chat_rows",
@@ -68,6 +71,7 @@ CHAT_TASKS: dict[str, Task] = {
             reward=final_number_reward,
             heldout_fraction=0.3,
             split_key=problem_key,
+            vocabulary="text",
         ),
     )
 }
