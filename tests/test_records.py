@@ -202,6 +202,14 @@ def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
         rec["summary"]["held-out reward after"] = 0.3 + gains[(arm, lr)]
         write_record(p, rec)
     assert gate_problems(exp, results) == []
+    from otbrl.app.studies.compare import pilot_page
+
+    page, picks = pilot_page(exp, pilot_plan(exp, tmp_path / "runs"), results, "cmd", log=lambda _: None,
+                             records=records)  # fmt: skip
+    text = page.read_text()
+    assert picks == {"a": 1e-4, "b": 2e-4} and "**Every arm passed.**" in text
+    assert "| a | +0.080 | +0.000 |" in text and "| b | +0.200 | +0.160 |" in text  # every run's gain
+    assert "| a | 0.435 | 0.435 |" in text  # whole-run length CV: mean of 0.40 .. 0.47
     path.write_text(path.read_text().replace("b: {learning_rate: 2.0e-4}", "b: {learning_rate: 1.0e-4}"))
     assert gate_problems(load_experiment(str(path)), results) == [
         "b: the YAML's learning_rate is 0.0001, the pilot picked 0.0002"]  # fmt: skip
