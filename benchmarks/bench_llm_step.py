@@ -37,6 +37,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from otbrl.app.recipe import load_recipe
+from otbrl.app.rewards import completion_text
 from otbrl.app.sources import choose_model, load_model, load_tokenizer
 from otbrl.app.studies.report import markdown_table
 from otbrl.integrations.trl import OTBGRPOConfig, OTBGRPOTrainer, sampler_rollout_func
@@ -154,9 +155,10 @@ ARMS = ["TRL GRPOTrainer (grpo)", "otb, TRL generating", "grpo, otbrl sampler", 
 def run_arm(arm: str, model: Any, tokenizer: Any, steps: int) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
-    def reward(prompts: list, completions: list, answer: list, **_: Any) -> list[float]:
-        from otbrl.app.rewards import completion_text
+    generated: list[int] = []  # tokens per scoring call (one call per step)
 
+    def reward(prompts: list, completions: list, answer: list, completion_ids: list, **_: Any) -> list[float]:
+        generated.append(sum(len(ids) for ids in completion_ids))
         return [TASK.reward(completion_text(c), a) for c, a in zip(completions, answer, strict=True)]
 
     rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
@@ -182,11 +184,10 @@ def run_arm(arm: str, model: Any, tokenizer: Any, steps: int) -> dict[str, Any]:
                                      processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
                                      callbacks=[clock], **extra)  # fmt: skip
         trainer.train()
-    tokens = trainer._metrics["train"].get("completions/mean_length", [])
     return {
         "cpu": statistics.mean(clock.cpu[1:]),
         "wall": statistics.mean(clock.wall[1:]),
-        "tokens": statistics.mean(tokens[1:]) * PROMPTS * N if len(tokens) > 1 else float("nan"),
+        "tokens": statistics.mean(generated[1:]),
         "source": None if plain else trainer.energy_source,
     }
 

@@ -3,10 +3,10 @@ on candidate prompts before any training. A task qualifies when its starting acc
 60% (groups then have reward spread); the reasoning task must also let the model choose its length
 (within-group length CV >= 0.3) without most answers hitting the token limit.
 
-    .venv/bin/python benchmarks/llm_pilot.py          # ~10 min, writes docs/results/llm-pilot.md
+    .venv/bin/python benchmarks/llm_pilot.py          # ~8 min, writes docs/results/llm-pilot.md
     .venv/bin/python benchmarks/llm_pilot.py --quick  # 4 prompts per candidate, to a temp file
 
-Each candidate: 16 training-side prompts x 4 samples, chat template, otbrl's sampler at each temperature,
+Each candidate: 8 prompts x 4 samples, chat template, otbrl's sampler at each temperature,
 bf16 autocast, scored by the final number (`final_number_reward`).
 """
 
@@ -95,7 +95,7 @@ def main() -> None:
     recipe = choose_model(load_recipe("smollm2-sums"), print)
     model, tokenizer = load_model(recipe, print, load_tokenizer(recipe))
     model.eval()
-    prompts = 4 if quick else 16
+    prompts = 4 if quick else 8
     rows = []
     for temperature in (1.0, 0.7):
         for name, (make, max_new, chosen) in CANDIDATES.items():
