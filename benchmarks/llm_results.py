@@ -16,9 +16,9 @@ from pathlib import Path
 
 from common import RESULTS
 
+from otbrl.app.metrics import read_metrics
 from otbrl.app.studies.plots import plot_curves
 from otbrl.app.studies.report import machine
-from otbrl.app.studies.runs import read_metrics
 
 
 def horizon(rows: list[dict]) -> str:

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from transformers import TrainerControl  # noqa: E402
 
 from otbrl.app.callbacks import PromptLedger, TokenBudgets, metrics_callback  # noqa: E402
-from otbrl.app.studies.runs import read_metrics  # noqa: E402
+from otbrl.app.metrics import read_metrics  # noqa: E402
 
 
 class FakeModel:

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("otbrl.integrations.trl")
 
+from otbrl.app.metrics import append_metrics, read_metrics, write_metrics  # noqa: E402
 from otbrl.app.studies.compare import compare, comparisons_table, events, pilot_page, table  # noqa: E402
 from otbrl.app.studies.experiment import (  # noqa: E402
     Experiment,
@@ -22,13 +23,7 @@ from otbrl.app.studies.experiment import (  # noqa: E402
 )
 from otbrl.app.studies.outcomes import analyse, collapse_step, surge_steps  # noqa: E402
 from otbrl.app.studies.report import markdown_table  # noqa: E402
-from otbrl.app.studies.runs import (  # noqa: E402
-    Run,
-    append_metrics,
-    moving_average,
-    read_metrics,
-    write_metrics,
-)
+from otbrl.app.studies.runs import Run, moving_average  # noqa: E402
 
 
 def test_centred_average_has_no_lag() -> None:

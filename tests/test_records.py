@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from otbrl.app.metrics import write_metrics
 from otbrl.app.studies import power, runs
 from otbrl.app.studies.experiment import Experiment, load_experiment, plan
 from otbrl.app.studies.outcomes import analyse, analyse_rows
@@ -74,7 +75,7 @@ def _fake_train(calls: list[str]):
         rng = random.Random(f"{run.arm}{run.seed}")
         rewards = [0.3 + 0.02 * i + 0.01 * rng.random() for i in range(12)]
         rows = _rows(rewards, heldout={600: rewards[-1], 1200: rewards[-1]})
-        runs.write_metrics(run.dir / "metrics.jsonl", rows)
+        write_metrics(run.dir / "metrics.jsonl", rows)
         (run.dir / "summary.json").write_text(json.dumps({"held-out reward before": 0.3,
                                                           "held-out reward after": rewards[-1]}))  # fmt: skip
         (run.dir / "run.json").write_text(json.dumps(run.overrides))

@@ -15,7 +15,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
-from otbrl.app.studies.runs import append_metrics, read_metrics, write_metrics
+from otbrl.app.metrics import append_metrics, read_metrics, write_metrics
 
 
 @dataclass

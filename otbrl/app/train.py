@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from otbrl.app.callbacks import PromptLedger, TokenBudgets, metrics_callback, progress_callback
+from otbrl.app.metrics import read_metrics
 from otbrl.app.recipe import check_recipe
 from otbrl.app.sources import (
     check_enough_rows,
@@ -26,7 +27,6 @@ from otbrl.app.sources import (
     shape_prompts,
 )
 from otbrl.app.studies.plots import plot_curves
-from otbrl.app.studies.runs import read_metrics
 
 
 def make_reward(recipe: dict[str, Any]) -> Callable[..., list[float]]:

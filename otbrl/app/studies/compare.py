@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from otbrl.app.metrics import read_metrics
 from otbrl.app.studies.experiment import (
     Experiment,
     experiment_names,
@@ -24,7 +25,7 @@ from otbrl.app.studies.outcomes import interval_json as _interval
 from otbrl.app.studies.plots import plot_arms, plot_figure
 from otbrl.app.studies.records import ProtocolChanged, protocol, protocol_hash, register, registration
 from otbrl.app.studies.report import markdown_table, mean_sd
-from otbrl.app.studies.runs import Run, execute, has_record, read_metrics
+from otbrl.app.studies.runs import Run, execute, has_record
 
 # experiment_names: for otbrl.app.cli
 __all__ = ["ProtocolChanged", "compare", "events", "experiment_names", "pilot", "report", "table"]

@@ -24,9 +24,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from otbrl.app.metrics import read_metrics
 from otbrl.app.studies.experiment import Experiment
 from otbrl.app.studies.inference import NOT_TESTED, Interval, combine, paired, t_interval, verdict
-from otbrl.app.studies.runs import Run, moving_average, read_metrics
+from otbrl.app.studies.runs import Run, moving_average
 
 SURGE_SMOOTH, SURGE_HISTORY = 5, 20
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from otbrl.app.studies.runs import moving_average, read_metrics
+from otbrl.app.metrics import read_metrics
+from otbrl.app.studies.runs import moving_average
 
 
 def pyplot() -> Any:

@@ -24,6 +24,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from otbrl.app.metrics import read_metrics
+
 # What the analyses read from each logged step (the rest of metrics.jsonl is TRL's bookkeeping).
 KEEP = (
     "step", "generated_tokens", "train_seconds", "reward", "reward_std", "frac_reward_zero_std", "grad_norm",
@@ -159,8 +161,6 @@ def read_record(path: Path) -> dict[str, Any]:
 
 def make_record(run: Any, stamp: dict[str, Any]) -> dict[str, Any]:
     """The record of a finished run (run: `runs.Run`), from its directory."""
-    from otbrl.app.studies.runs import read_metrics
-
     started = run.dir / "started.json"
     start = json.loads(started.read_text()) if started.is_file() else {}
     return {

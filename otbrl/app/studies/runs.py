@@ -1,5 +1,5 @@
-"""Training runs on disk: the one reader and writer of a run's `metrics.jsonl` (one JSON object per logged
-step), the moving average its curves are smoothed with, and `otbrl train` runs launched in their own
+"""Training runs on disk: the moving average their curves (`otbrl.app.metrics`) are smoothed with, and
+`otbrl train` runs launched in their own
 processes, resuming what is already done: a run with a committed record (`records`) is never trained
 again, on any machine."""
 
@@ -10,28 +10,11 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-
-def read_metrics(path: Path, key: str | None = None) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (blank lines skipped); with `key`, only the rows that hold it."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return rows if key is None else [r for r in rows if key in r]
-
-
-def write_metrics(path: Path, rows: Iterable[dict[str, Any]]) -> None:
-    """Replace the file with these rows, one JSON object a line."""
-    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def append_metrics(path: Path, row: dict[str, Any]) -> None:
-    """Add one row (one logged step) at the end of the file."""
-    with Path(path).open("a") as f:
-        f.write(json.dumps(row) + "\n")
 
 
 def moving_average(values: list[float], window: int, centred: bool = True) -> list[float]:

@@ -1,0 +1,26 @@
+"""A run's `metrics.jsonl`: one JSON object per logged step. The one reader and writer of that file, shared
+by training (which writes it), its callbacks (which resume it) and the studies (which read it)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def read_metrics(path: Path, key: str | None = None) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (blank lines skipped); with `key`, only the rows that hold it."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return rows if key is None else [r for r in rows if key in r]
+
+
+def write_metrics(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """Replace the file with these rows, one JSON object a line."""
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def append_metrics(path: Path, row: dict[str, Any]) -> None:
+    """Add one row (one logged step) at the end of the file."""
+    with Path(path).open("a") as f:
+        f.write(json.dumps(row) + "\n")
