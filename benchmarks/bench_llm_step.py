@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from common import command_line, write_result
 from datasets import Dataset
-from transformers import TrainerCallback
+from step_clock import StepClock
 
 from otbrl.app.recipe import load_recipe
 from otbrl.app.rewards import completion_text
@@ -131,22 +131,6 @@ def breakdown(model: Any, tokenizer: Any, repeats: int) -> list[list[str]]:
     measure("LoRA + bf16", lora, autocast=True)
     del lora
     return [[name, *(f"{t:.2f}" for t in times)] for name, times in pieces.items()]
-
-
-class StepClock(TrainerCallback):
-    """CPU and wall seconds of each optimizer step, and the tokens generated in it."""
-
-    def __init__(self) -> None:
-        self.cpu: list[float] = []
-        self.wall: list[float] = []
-        self._start = (0.0, 0.0)
-
-    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
-        self._start = (time.process_time(), time.perf_counter())
-
-    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
-        self.cpu.append(time.process_time() - self._start[0])
-        self.wall.append(time.perf_counter() - self._start[1])
 
 
 ARMS = ["TRL GRPOTrainer (grpo)", "otb, TRL generating", "grpo, otbrl sampler", "otb, otbrl sampler"]

@@ -25,13 +25,13 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import time
 from typing import Any
 
 import torch
 from common import command_line, write_result
 from datasets import Dataset
-from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from step_clock import StepClock
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from otbrl.app.studies.report import markdown_table
 from otbrl.integrations.trl import OTBGRPOConfig, OTBGRPOTrainer, rollout_func
@@ -40,23 +40,6 @@ from otbrl.tasks.models import tiny_config
 
 TARGET = 1.03
 TASK = get_task("add_reversed")
-
-
-class StepClock(TrainerCallback):
-    """CPU time and wall time of each optimizer step. On a shared machine the wall time mostly measures
-    the other jobs; the process's CPU time (one torch thread) is what the step itself costs."""
-
-    def __init__(self) -> None:
-        self.cpu: list[float] = []
-        self.wall: list[float] = []
-        self._start = (0.0, 0.0)
-
-    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
-        self._start = (time.process_time(), time.perf_counter())
-
-    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
-        self.cpu.append(time.process_time() - self._start[0])
-        self.wall.append(time.perf_counter() - self._start[1])
 
 
 class OwnForward(OTBGRPOTrainer):
