@@ -6,12 +6,22 @@ models.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import os
 import re
+import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+
+from otbrl.tasks import dataset
+
+# torch, transformers, datasets and huggingface_hub load inside the functions that use them: the recipe
+# checks import this module and must stay quick (a bad recipe fails in well under a second).
 
 # Data: a built-in task, a local file or saved dataset, or a Hugging Face Hub dataset.
 
@@ -20,8 +30,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?$")
 
 
 def _offline() -> bool:
-    import os
-
     return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
                for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))  # fmt: skip
 
@@ -74,8 +82,6 @@ def _load_data(recipe: dict[str, Any]) -> Any:
 
 def load_rows(recipe: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     """(train rows, eval rows), each {"prompt", "answer"}; columns are checked before any training."""
-    from otbrl.tasks import dataset
-
     if recipe["task"] and recipe["dataset"]:
         raise ValueError("dataset: give either task or dataset, not both")
     if recipe["task"]:
@@ -217,14 +223,10 @@ def _packaged_file(where: str) -> Path:
 
 def cache_dir() -> Path:
     """Where converted models live: $OTBRL_CACHE, else ~/.cache/otbrl."""
-    import os
-
     return Path(os.environ.get("OTBRL_CACHE") or "~/.cache/otbrl").expanduser()
 
 
 def _digest(path: Path) -> str:
-    import hashlib
-
     h = hashlib.blake2b(digest_size=8)
     with path.open("rb") as f:
         while chunk := f.read(1 << 22):
@@ -235,9 +237,6 @@ def _digest(path: Path) -> str:
 def plain_checkpoint(gguf: Path, log: Callable[[str], Any]) -> Path:
     """The cached plain float32 checkpoint of a GGUF file, made on first use (atomically: a killed
     conversion leaves no half folder behind)."""
-    import os
-    import shutil
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -272,10 +271,6 @@ def plain_checkpoint(gguf: Path, log: Callable[[str], Any]) -> Path:
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face Hub answers on its port: one quick try, where a from_pretrained call with
     no network spends about a minute on retries before it fails."""
-    import os
-    import socket
-    from urllib.parse import urlparse
-
     if _offline():
         return False
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
