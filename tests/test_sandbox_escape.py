@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from otbrl.tools import _cgroup, run_python
-from tests.test_sandbox_hostile import _sandbox_processes
+from tests.test_sandbox_hostile import assert_nothing_left_behind
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 
@@ -66,12 +66,7 @@ print(json.dumps({**dataclasses.asdict(result), "check": env.get("check"), "left
 @pytest.fixture(scope="module", autouse=True)
 def nothing_left_behind():
     yield
-    deadline = time.monotonic() + 2
-    while _sandbox_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _sandbox_processes() == [], "sandbox processes survived"
-    mark = f"otbrl-sandbox-{os.getpid()}-"
-    assert [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(mark)] == []
+    assert_nothing_left_behind(cgroups=False)
     assert _cgroup.leftovers() == [], "per-call cgroups survived"
 
 

@@ -45,15 +45,22 @@ def _leftover_dirs() -> list[str]:
     return [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(MARK)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def nothing_left_behind():
-    yield
+def assert_nothing_left_behind(cgroups: bool = True) -> None:
+    """No sandbox process, directory (or, with `cgroups`, per-call cgroup) of this session survives; the
+    sandbox test modules run it after their last test."""
     deadline = time.monotonic() + 2  # the kernel may take a moment to reap a dying namespace
     while _sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _sandbox_processes() == [], "sandbox processes survived the suite"
     assert _leftover_dirs() == [], "sandbox directories survived the suite"
-    assert _cgroup.leftovers() == [], "per-call memory cgroups survived the suite"
+    if cgroups:
+        assert _cgroup.leftovers() == [], "per-call memory cgroups survived the suite"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_behind():
+    yield
+    assert_nothing_left_behind()
 
 
 def _isolated(result) -> bool:

@@ -14,13 +14,12 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 
 import pytest
 
 from otbrl.tools import _cgroup, run_python, sandbox
 from otbrl.tools._launcher import _reachable
-from tests.test_sandbox_hostile import _isolated, _memcg, _sandbox_processes
+from tests.test_sandbox_hostile import _isolated, _memcg, _sandbox_processes, assert_nothing_left_behind
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 
@@ -42,12 +41,7 @@ def _need_memcg(result) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def nothing_left_behind():
     yield
-    deadline = time.monotonic() + 2
-    while _sandbox_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _sandbox_processes() == [], "sandbox processes survived"
-    assert [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(MARK)] == []
-    assert _cgroup.leftovers() == [], "per-call cgroups survived"
+    assert_nothing_left_behind()
 
 
 @pytest.fixture
