@@ -238,8 +238,9 @@ def load_experiment(spec: str, quick: bool = False) -> Experiment:
 
 
 def plan(exp: Experiment, out: Path) -> list[Run]:
-    """One Run per (arm, seed), with the overrides that make it (recipe keys, as `otbrl train` takes)."""
-    return [_run(exp, out, arm, seed) for arm in exp.arms for seed in exp.arm_seeds(arm)]
+    """One Run per (arm, seed), with the overrides that make it (recipe keys, as `otbrl train` takes).
+    Seed by seed, so that an experiment stopped part way holds complete pairs to compare."""
+    return [_run(exp, out, arm, seed) for seed in exp.seeds for arm in exp.arms if seed in exp.arm_seeds(arm)]
 
 
 def pilot_plan(exp: Experiment, out: Path) -> list[Run]:
