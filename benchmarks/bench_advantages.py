@@ -19,7 +19,7 @@ from common import command_line, in_fresh_process, measure, write_result
 from torch import Tensor
 
 import otbrl
-from otbrl.app.studies.report import markdown_table
+from otbrl.app.pages import markdown_table
 
 GROUP_SIZE = 8
 FULL_SIZES = [(256, 1024), (256, 8192), (1024, 1024), (1024, 8192)]

@@ -17,7 +17,7 @@ from common import command_line, in_fresh_process, measure, write_result
 from torch import Tensor
 
 import otbrl
-from otbrl.app.studies.report import markdown_table
+from otbrl.app.pages import markdown_table
 from otbrl.energy import CHUNK_ELEMENTS
 
 FULL_VOCABS, FULL_ROWS = [32768, 151936], [1024, 2048, 4096]

@@ -14,7 +14,7 @@ import torch
 from common import command_line, in_fresh_process, measure, write_result
 from torch import Tensor
 
-from otbrl.app.studies.report import markdown_table
+from otbrl.app.pages import markdown_table
 from otbrl.fused import TILE_ELEMENTS, fused_partial_stats, fused_token_stats
 
 # (tokens, V, H). Time ratios over the hidden size H (the matmul's share grows with H; real models have

@@ -36,10 +36,10 @@ from common import command_line, write_result
 from datasets import Dataset
 from step_clock import StepClock
 
+from otbrl.app.answers import completion_text
+from otbrl.app.pages import markdown_table
 from otbrl.app.recipe import load_recipe
-from otbrl.app.rewards import completion_text
 from otbrl.app.sources import choose_model, load_model, load_tokenizer
-from otbrl.app.studies.report import markdown_table
 from otbrl.integrations.trl import OTBGRPOConfig, OTBGRPOTrainer, sampler_rollout_func
 from otbrl.lm import completion_energy
 from otbrl.rollout.sampler import decode
@@ -210,8 +210,17 @@ def main() -> None:
         "### Step breakdown (CPU s, one batch of 16, median)\n\n"
         + markdown_table(["piece", "float32", "bf16 autocast", "LoRA r=16 + bf16"], pieces)
         + "\n\n### Whole TRL steps (bf16 autocast, float32 weights)\n\n"
-        + markdown_table(["arm", "energy from", "CPU s/step (each repeat)", "generated tokens per CPU s",
-                          "CPU vs TRL's GRPOTrainer (median)", "wall s/step"], step_rows)  # fmt: skip
+        + markdown_table(
+            [
+                "arm",
+                "energy from",
+                "CPU s/step (each repeat)",
+                "generated tokens per CPU s",
+                "CPU vs TRL's GRPOTrainer (median)",
+                "wall s/step",
+            ],
+            step_rows,
+        )  # fmt: skip
     )
     goal = ratio["otb, otbrl sampler"]
     verdict = (

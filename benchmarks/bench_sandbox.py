@@ -633,16 +633,16 @@ def bwrap_table(result: dict) -> str:
 
 
 def _machine() -> str:
-    import importlib
+    """The machine line of the results pages (`otbrl.app.pages.machine`). Imported here, not at the top:
+    run against an older otbrl checkout (PYTHONPATH, as above) that module is absent, and a plain line
+    stands in."""
+    try:
+        import torch
 
-    for module in ("otbrl.app.studies.report", "otbrl.studies.report"):  # now, and at c251123
-        try:
-            import torch
-
-            return importlib.import_module(module).machine(torch.get_num_threads())
-        except (ImportError, AttributeError):
-            continue
-    return f"{platform.machine()}, {os.cpu_count()} CPUs; Python {platform.python_version()}"
+        from otbrl.app.pages import machine
+    except ImportError:
+        return f"{platform.machine()}, {os.cpu_count()} CPUs; Python {platform.python_version()}"
+    return machine(torch.get_num_threads())
 
 
 def _environment() -> str:

@@ -33,7 +33,7 @@ from datasets import Dataset
 from step_clock import StepClock
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from otbrl.app.studies.report import markdown_table
+from otbrl.app.pages import markdown_table
 from otbrl.integrations.trl import OTBGRPOConfig, OTBGRPOTrainer, rollout_func
 from otbrl.tasks import char_tokenizer, dataset, get_task
 from otbrl.tasks.models import tiny_config

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from otbrl.app.studies.report import machine
+from otbrl.app.pages import machine
 
 
 def _status_mib(field: str) -> float:

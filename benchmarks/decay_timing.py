@@ -21,10 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from otbrl.app.pages import markdown_table
 from otbrl.app.studies.experiment import load_experiment, plan
-from otbrl.app.studies.ladder import split
-from otbrl.app.studies.outcomes import analyse
-from otbrl.app.studies.report import markdown_table
+from otbrl.app.studies.outcomes import analyse, split
 from otbrl.stability import LengthSurgeDecay
 
 ROOT = Path(__file__).resolve().parents[1]

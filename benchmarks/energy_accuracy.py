@@ -20,7 +20,7 @@ import torch
 import transformers
 from common import command_line, write_result
 
-from otbrl.app.studies.report import markdown_table
+from otbrl.app.pages import markdown_table
 from otbrl.fused import fused_token_stats
 from otbrl.lm import completion_energy, final_hidden, predicting
 from otbrl.rollout import resolve_tools, sample_with_tools
@@ -29,8 +29,11 @@ T = 0.7
 FAMILIES = {
     "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "Llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "Gemma-2 (softcap 5)": ("Gemma2Config", "Gemma2ForCausalLM", {"final_logit_softcapping": 5.0,
-                                                                  "head_dim": 16}),
+    "Gemma-2 (softcap 5)": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"final_logit_softcapping": 5.0, "head_dim": 16},
+    ),
     "Granite (logits_scaling 8)": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 8.0}),
     "Cohere (logit_scale 4)": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 4.0}),
 }

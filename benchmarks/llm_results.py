@@ -17,8 +17,8 @@ from pathlib import Path
 from common import RESULTS
 
 from otbrl.app.metrics import read_metrics
-from otbrl.app.studies.plots import plot_curves
-from otbrl.app.studies.report import machine
+from otbrl.app.pages import machine
+from otbrl.app.plots import plot_curves
 
 
 def horizon(rows: list[dict]) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from otbrl.app.studies.report import machine, markdown_table
+from otbrl.app.pages import machine, markdown_table, read_record, write_record
 from otbrl.energy import token_energy
 from otbrl.rollout.sampler import sample
 from otbrl.tasks import dataset, get_task, warm_start
@@ -208,8 +208,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="markdown output path (default docs/results/horizon.md)")
     parser.add_argument("--from-samples", type=Path, help="rebuild the page from these committed samples")
     args = parser.parse_args()
-    from otbrl.app.studies.records import read_record, write_record
-
     if args.quick:
         args.prompts, args.samples = 8, 8
     out = args.out or (Path(tempfile.gettempdir()) if args.quick else RESULTS) / "horizon.md"

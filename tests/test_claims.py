@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from otbrl.app.studies.claims import write_claims
-from otbrl.app.studies.training_claims import comparison_rows, lr_decay_row, stability_row
+from otbrl.app.studies.claims import comparison_rows, lr_decay_row, stability_row, write_claims
 
 
 def _variance(otb: list[float], mean: list[float]) -> dict:
@@ -55,8 +54,10 @@ def test_comparison_rows_state_intervals_rule_and_horizon() -> None:
     assert claim == "claim OTB vs GRPO, N=4" and command == "`otbrl compare walk`"
     assert "within-group length CV 0.53" in measured and "energy CV 1.10" in measured
     assert "held-out reward @100k: +0.030 [+0.010, +0.050] (n=5)" in measured
-    assert ("tokens saved to train reward 0.45: +12.0k [-3.0k, +27.0k] (n=5) (reached by otb-N4 in 5 seeds, "
-            "by grpo-N4 in 4)") in measured
+    assert (
+        "tokens saved to train reward 0.45: +12.0k [-3.0k, +27.0k] (n=5) (reached by otb-N4 in 5 seeds, "
+        "by grpo-N4 in 4)"
+    ) in measured
     assert "paired over 5 seeds" in measured and "otb-N4 train reward 0.31 → 0.51" in measured
     assert verdict.startswith("**inconclusive** (rule: held if the 95% t interval")
     assert "@300k vs 900k: -0.010 [-0.050, +0.030] (n=3)" in second[1] and "paired over 3 seeds" in second[1]
@@ -102,8 +103,9 @@ def test_lr_decay_row() -> None:
     assert lr_decay_row(silent)[2].startswith("**not tested**")
     same = _ladder(falls, falls, decay=[8, 9])
     assert lr_decay_row(same)[2].startswith("**inconclusive**")
-    assert "1 LR-decay triggers, in 1 of the 2 runs whose base collapsed before that collapse" in (
-        lr_decay_row(same)[1]
+    assert (
+        "1 LR-decay triggers, in 1 of the 2 runs whose base collapsed before that collapse"
+        in (lr_decay_row(same)[1])
     )
     late = _ladder(falls, falls, decay=[8, 9], fired=[[8], [12]])  # at / after the base's collapse (8, 9)
     row = lr_decay_row(late)
@@ -140,7 +142,8 @@ def test_registered_results_are_clean_and_amendments_are_listed(tmp_path) -> Non
     assert "protocol amended after its first run started" in row[1] and "2 under h1" in row[1]
     (tmp_path / "walk.json").write_text(json.dumps(amended))
     assert "- `walk`: amended at 2026-01-02T00:00:00+00:00 (keys seeds): more seeds" in (
-        write_claims(tmp_path).read_text())
+        write_claims(tmp_path).read_text()
+    )
 
 
 def test_primary_endpoint_and_phenomenon_in_the_rows(tmp_path) -> None:

@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 
 from otbrl.app.metrics import write_metrics
-from otbrl.app.studies import power, runs
+from otbrl.app.pages import read_record, write_record
+from otbrl.app.studies import inference as power
+from otbrl.app.studies import runs
 from otbrl.app.studies.experiment import Experiment, load_experiment, plan
 from otbrl.app.studies.outcomes import analyse, analyse_rows
-from otbrl.app.studies.records import (
+from otbrl.app.studies.runs import (
     ProtocolChanged,
     compact,
     protocol,
     protocol_hash,
-    read_record,
     record_path,
     register,
-    write_record,
 )
 
 
@@ -187,7 +187,7 @@ def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
     for run in pilot_plan(exp, tmp_path / "runs"):
         arm, lr = run.arm.rpartition("@")[0], run.overrides["learning_rate"]
         score = 0.5 if (arm, lr) in (("a", 1e-4), ("b", 2e-4)) else 0.2  # the pick: a 1e-4, b 2e-4
-        from otbrl.app.studies.records import comparable
+        from otbrl.app.studies.runs import comparable
 
         write_record(record_path(records, run.arm, run.seed), {
             "overrides": comparable(run.overrides), "metrics": _rows([score] * 8),
@@ -260,7 +260,7 @@ def test_a_page_is_rebuilt_from_committed_records_alone(tmp_path, monkeypatch) -
 
 
 def test_the_ladder_table_shows_censored_runs_beside_collapses() -> None:
-    from otbrl.app.studies.ladder import ladder_table
+    from otbrl.app.studies.outcomes import ladder_table
 
     arm = {"seed_list": [0, 1, 2], "collapses": [None, 14, None], "censored": [True, False, False],
            "surges": 0, "clip_fraction": [0.0, 0.0, 0.0]}  # fmt: skip

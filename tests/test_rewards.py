@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from otbrl.app.rewards import get_reward, last_number
+from otbrl.app.answers import get_reward, last_number
 
 
 def test_exact_numeric_and_math_rewards():
@@ -68,7 +68,7 @@ def test_newer_trl_warns_and_older_trl_is_refused(monkeypatch):
 
 
 def test_rewards_read_chat_completions_boxed_answers_and_gsm8k_solutions():
-    from otbrl.app.rewards import answer_number, completion_text, final_answer, last_boxed
+    from otbrl.app.answers import answer_number, completion_text, final_answer, last_boxed
 
     said = ["so it is \\boxed{12} (not 13)", "I think 7", "no idea"]
     chat = [[{"role": "assistant", "content": c}] for c in said]

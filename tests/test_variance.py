@@ -15,10 +15,9 @@ import torch
 
 import otbrl
 from otbrl.app.cli import main
-from otbrl.app.studies import gradients as gr
 from otbrl.app.studies import gradstats as gs
 from otbrl.app.studies import variance as v
-from otbrl.app.studies.variance_report import command, matching_group_size
+from otbrl.app.studies.variance_page import command, matching_group_size
 from otbrl.rollout import Samples
 
 
@@ -29,7 +28,7 @@ def setup():
     model = tiny_model("tiny", seed=0).double()  # random weights: varied completion lengths
     task = get_task("reverse")  # prompts of 6-10 letters: rows get different left padding
     rows = dataset(task, 3, seed=0)
-    r = gr.draw(model, char_tokenizer(), task, rows, 2, torch.Generator().manual_seed(0))
+    r = v.draw(model, char_tokenizer(), task, rows, 2, torch.Generator().manual_seed(0))
     assert (r.attention_mask[:, 0] == 0).any() and (r.mask.sum(-1) < r.mask.shape[1]).any()
     return model, r
 
@@ -52,7 +51,7 @@ def per_token_scores(model: torch.nn.Module, r: Samples) -> dict[tuple[int, int]
 def test_gradients_and_exact_norms_match_per_token_autograd(setup):
     model, r = setup
     scores = per_token_scores(model, r)
-    logp, proxy = gr.token_logprobs(model, r)
+    logp, proxy = v.token_logprobs(model, r)
     torch.testing.assert_close(logp.detach().float(), r.logprobs, atol=1e-5, rtol=0)  # what was sampled
     otb = otbrl.compute_advantages(
         "otb", rewards=torch.tensor([1.0, 0, 0, 1, 1, 0]), mask=r.mask, group_ids=r.group_ids, energy=proxy
@@ -62,12 +61,12 @@ def test_gradients_and_exact_norms_match_per_token_autograd(setup):
         "random": torch.randn(r.mask.shape, generator=torch.Generator().manual_seed(1)),
         "otb": otb,
     }
-    got = gr.policy_gradients(model, logp, advantages)
+    got = v.policy_gradients(model, logp, advantages)
     rows = r.mask.shape[0]
     for name, adv in advantages.items():
         want = sum(adv[i, t].double() * torch.cat([s.reshape(-1) for s in g]) for (i, t), g in scores.items())
         torch.testing.assert_close(got[name], want / rows, msg=name)
-    exact = gr.exact_energy(model, r)
+    exact = v.exact_energy(model, r)
     want = torch.zeros(r.mask.shape, dtype=torch.float64)
     for (i, t), g in scores.items():
         want[i, t] = sum(s.square().sum() for s in g)
@@ -248,7 +247,7 @@ def test_quick_run_writes_the_table_with_every_estimator(tmp_path, capsys):
 def test_raw_variance_reading_survives_the_json_round_trip():
     """The page is rendered from results read back from JSON too, where N keys are strings: N=16 must
     still sort after N=4 (a lexicographic sort gave "needs N <= 16" for "~16")."""
-    from otbrl.app.studies.variance_report import _verdict
+    from otbrl.app.studies.variance_page import _verdict
 
     per_n = {}
     for n, (gm, otb) in {4: (1.0, 0.25), 8: (0.5, 0.3), 16: (0.25, 0.2)}.items():
@@ -258,6 +257,7 @@ def test_raw_variance_reading_survives_the_json_round_trip():
     res = {"config": cfg, "per_n": per_n}
     lines = _verdict(res, "dr_grpo")
     assert lines == _verdict(json.loads(json.dumps(res)), "dr_grpo")
-    assert "At N=4, OTB's raw gradient variance is 0.25x the group mean's; the group mean needs N ~16" in (
-        lines[2]
+    assert (
+        "At N=4, OTB's raw gradient variance is 0.25x the group mean's; the group mean needs N ~16"
+        in (lines[2])
     )

@@ -71,7 +71,7 @@ class RecipeKeys:
         > Reward
 
         reward (`str`, *optional*, defaults to `"task"`):
-            `task` (the built-in task's exact reward), `exact`, `numeric` or `math` (`otbrl.app.rewards`).
+            `task` (the built-in task's exact reward), `exact`, `numeric` or `math` (`otbrl.app.answers`).
         reward_max_failure_fraction (`float`, *optional*, defaults to `0.5`):
             The run stops when the reward function fails on every sample of a batch, or on more than this
             fraction of all samples scored so far.

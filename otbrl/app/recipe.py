@@ -23,8 +23,8 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
+from otbrl.app.answers import get_reward
 from otbrl.app.config import RECIPE_DEFAULTS, TRAINER_DEFAULTS, RecipeKeys
-from otbrl.app.rewards import get_reward
 from otbrl.integrations.trl import OTBGRPOConfig
 from otbrl.tasks import get_task
 

@@ -8,15 +8,20 @@ checkpoint.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+from datasets import Dataset
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from otbrl.app.answers import completion_text, get_reward
 from otbrl.app.callbacks import PromptLedger, TokenBudgets, metrics_callback, progress_callback
 from otbrl.app.metrics import read_metrics
+from otbrl.app.plots import plot_curves
 from otbrl.app.recipe import check_recipe
 from otbrl.app.sources import (
     check_enough_rows,
@@ -26,15 +31,15 @@ from otbrl.app.sources import (
     load_tokenizer,
     shape_prompts,
 )
-from otbrl.app.studies.plots import plot_curves
+from otbrl.integrations.trl import OTBGRPOTrainer, rollout_func, sampler_rollout_func
+from otbrl.integrations.trl.rewards import GuardedReward
+from otbrl.rollout import evaluate
+from otbrl.rollout.multiturn import resolve_tools
+from otbrl.tasks import get_task
 
 
 def make_reward(recipe: dict[str, Any]) -> Callable[..., list[float]]:
-    from otbrl.app.rewards import completion_text, get_reward
-
     if recipe["reward"] == "task":
-        from otbrl.tasks import get_task
-
         if not recipe["task"]:
             raise ValueError("reward: 'task' needs a built-in task; use exact, numeric or math for a dataset")
         task = get_task(recipe["task"])
@@ -51,16 +56,12 @@ def tool_settings(recipe: dict[str, Any]) -> tuple[tuple[str, ...], int]:
     """(tool names, max turns) of a recipe: its own keys, else its built-in task's; () means one turn."""
     task = None
     if recipe["task"]:
-        from otbrl.tasks import get_task
-
         task = get_task(recipe["task"])
     tools = recipe["tools"] if recipe["tools"] is not None else (task.tools if task else ())
     if isinstance(tools, str):
         tools = [tools]
     turns = recipe["max_turns"] if recipe["max_turns"] is not None else (task.max_turns if task else 3)
     if tools:
-        from otbrl.rollout.multiturn import resolve_tools
-
         resolve_tools(list(tools))  # unknown names fail here
         if int(turns) < 1:
             raise ValueError(f"max_turns: must be >= 1 when tools are given, got {turns}")
@@ -111,12 +112,6 @@ def reward_failures(metrics: Path) -> int:
 
 def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] = print) -> dict[str, Any]:
     """Train as the recipe says. Returns the summary (also written to output_dir/summary.md)."""
-    from datasets import Dataset
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-    from otbrl.integrations.trl import OTBGRPOTrainer
-    from otbrl.integrations.trl.rewards import GuardedReward
-
     if recipe["threads"]:
         torch.set_num_threads(int(recipe["threads"]))
     torch.manual_seed(recipe["seed"])
@@ -142,8 +137,6 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     model, tokenizer = load_model(recipe, log, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    from otbrl.rollout import evaluate
-
     # Its own guard: held-out failures are reported (and can stop the run) without counting as training's.
     fraction = recipe["reward_max_failure_fraction"]
     eval_reward = GuardedReward(make_reward(recipe), max_failure_fraction=fraction)
@@ -219,10 +212,6 @@ def written(out: Path) -> list[str]:
 def _rollouts(tools: tuple[str, ...], max_turns: int, sampler: str) -> dict[str, Callable]:
     """OTBGRPOTrainer's `rollout_func` keyword: otbrl's sampler, with tools or one turn; none when TRL
     generates."""
-    import os
-
-    from otbrl.integrations.trl import rollout_func, sampler_rollout_func
-
     if not tools and sampler == "trl":
         return {}
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns that rollout_func is experimental

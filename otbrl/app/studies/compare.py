@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from otbrl.app.metrics import read_metrics
+from otbrl.app.pages import markdown_table, mean_sd, read_record
+from otbrl.app.plots import plot_arms, plot_figure
+from otbrl.app.recipe import load_recipe
 from otbrl.app.studies.experiment import (
     Experiment,
     experiment_names,
@@ -19,13 +22,28 @@ from otbrl.app.studies.experiment import (
     plan,
     variance_plan,
 )
-from otbrl.app.studies.ladder import ladder_table, plot_ladder, plot_ladder_runs
-from otbrl.app.studies.outcomes import SURGE_HISTORY, SURGE_SMOOTH, analyse
+from otbrl.app.studies.inference import power_plan, rule
+from otbrl.app.studies.outcomes import (
+    SURGE_HISTORY,
+    SURGE_SMOOTH,
+    analyse,
+    ladder_table,
+    plot_ladder,
+    plot_ladder_runs,
+)
 from otbrl.app.studies.outcomes import interval_json as _interval
-from otbrl.app.studies.plots import plot_arms, plot_figure
-from otbrl.app.studies.records import ProtocolChanged, protocol, protocol_hash, register, registration
-from otbrl.app.studies.report import markdown_table, mean_sd
-from otbrl.app.studies.runs import Run, execute, has_record
+from otbrl.app.studies.runs import (
+    ProtocolChanged,
+    Run,
+    execute,
+    has_record,
+    protocol,
+    protocol_hash,
+    record_path,
+    register,
+    registration,
+)
+from otbrl.tasks import get_task
 
 # experiment_names: for otbrl.app.cli
 __all__ = ["ProtocolChanged", "compare", "events", "experiment_names", "pilot", "report", "table"]
@@ -54,8 +72,10 @@ def _collapsed(s: dict[str, Any]) -> str:
     return f"{len(steps)}/{s['seeds']}" + (f" ({', '.join(map(str, steps))})" if steps else "")
 
 
-SD_NOTE = ("Each cell is the mean ± the standard deviation across seeds (an SD, not a confidence interval: "
-           "the intervals are in the paired comparisons).")
+SD_NOTE = (
+    "Each cell is the mean ± the standard deviation across seeds (an SD, not a confidence interval: "
+    "the intervals are in the paired comparisons)."
+)
 
 
 def table(exp: Experiment, result: dict[str, Any]) -> str:
@@ -118,8 +138,6 @@ def events(result: dict[str, Any]) -> str:
 
 
 def definitions(exp: Experiment) -> str:
-    from otbrl.app.studies.inference import rule
-
     kinds = sorted({c.get("kind", "better") for c in exp.comparisons})
     margins = {c.get("kind"): c.get("margin", 0.0) for c in exp.comparisons}
     rules = "; ".join(f"`{k}`: {rule(k, margins.get(k, 0.0) or 0.0, exp.confidence)}" for k in kinds)
@@ -143,12 +161,15 @@ def definitions(exp: Experiment) -> str:
         + (
             " Comparisons are paired by seed (same warm start, same prompts per step, same held-out set); "
             f"verdict rules: {rules}. "
-            + ("A comparison's verdict is its primary endpoint's (named in the protocol before the runs); "
-               "secondary endpoints are reported beside it and do not change it."
-               if all("primary" in c for c in exp.comparisons) else
-               "A comparison with a primary endpoint takes that endpoint's verdict (secondary endpoints do "
-               "not change it); one without (a protocol registered before primary endpoints existed) is "
-               "held or did not hold when all its tested endpoints agree, inconclusive otherwise.")
+            + (
+                "A comparison's verdict is its primary endpoint's (named in the protocol before the runs); "
+                "secondary endpoints are reported beside it and do not change it."
+                if all("primary" in c for c in exp.comparisons)
+                else "A comparison with a primary endpoint takes that endpoint's verdict "
+                "(secondary endpoints do not change it); one without (a protocol registered before primary "
+                "endpoints existed) is held or did not hold when all its tested endpoints agree, "
+                "inconclusive otherwise."
+            )
             if exp.comparisons
             else " Verdicts on collapse are stated with the claims that read this page (`otbrl claims`)."
         )
@@ -158,8 +179,6 @@ def definitions(exp: Experiment) -> str:
 def report(exp: Experiment, result: dict[str, Any], results: Path, command: str, seconds: float,
            failures: list[str]) -> Path:  # fmt: skip
     """Write `<results>/<name>.md` (+ .png and a .json of the per-arm numbers and comparisons)."""
-    from otbrl.app.recipe import load_recipe
-
     results.mkdir(parents=True, exist_ok=True)
     run_minutes = sum(r["train_seconds"] for runs in result["runs"].values() for r in runs) / 60
     md, png = results / f"{exp.name}.md", results / f"{exp.name}.png"
@@ -180,7 +199,9 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     prompts = result["prompt_problems"]
     check = (
         "Same prompts per step: checked from the runs' prompt digests, no difference between the arms "
-        "of any seed." if not prompts else "Same prompts per step: **violated**: " + "; ".join(prompts)
+        "of any seed."
+        if not prompts
+        else "Same prompts per step: **violated**: " + "; ".join(prompts)
     )
     failed = "\n".join(f"- {f}" for f in failures) or "none"
     parts = [
@@ -205,8 +226,13 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     if result["comparisons"]:
         parts.append(f"Paired comparisons ({exp.confidence:.0%} t intervals over seeds):\n\n"
                      + comparisons_table(result))  # fmt: skip
-    parts += [f"Events by run (steps):\n\n{events(result)}", check, definitions(exp),
-              f"Failed runs: {failed}", f"![{exp.name}]({png.name})"]
+    parts += [
+        f"Events by run (steps):\n\n{events(result)}",
+        check,
+        definitions(exp),
+        f"Failed runs: {failed}",
+        f"![{exp.name}]({png.name})",
+    ]
     md.write_text("\n\n".join(parts) + "\n")
     (results / f"{exp.name}.json").write_text(json.dumps(to_json(result), indent=1))
     return md
@@ -224,7 +250,7 @@ def protocol_text(exp: Experiment, result: dict[str, Any]) -> str:
             + ("(its YAML committed then" + (f", {reg['commit'][:10]})" if reg.get("commit") else ")")
                if reg.get("committed") else "(its YAML **not committed** then)") + ".")  # fmt: skip
     for a in reg.get("amendments", []):
-        text += (f" **Amended** at {a['at']} (`{a['hash']}`; keys {', '.join(a['changed'])}): {a['reason']}.")
+        text += f" **Amended** at {a['at']} (`{a['hash']}`; keys {', '.join(a['changed'])}): {a['reason']}."
     runs = ", ".join(f"{n} under `{h}`" for h, n in stamps.items())
     return text + f" Runs: {runs}."
 
@@ -256,9 +282,6 @@ def _stamp(exp: Experiment, records: Path, kind: str, amend: str | None, quick: 
 
 def _heldout_split(exp: Experiment) -> dict[str, Any] | None:
     """The held-out side the runs' evaluations drew from (built-in tasks: `load_rows` splits them)."""
-    from otbrl.app.recipe import load_recipe
-    from otbrl.tasks import get_task
-
     task = load_recipe(exp.recipe, {**exp.common, **exp.forced}).get("task")
     if not task:
         return None
@@ -317,8 +340,6 @@ def pilot_score(rows: Path | list[dict[str, Any]]) -> float:
 
 def _run_data(run: Run, records: Path | None) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
     """(metrics rows, summary) of a finished run: its committed record, else its directory."""
-    from otbrl.app.studies.records import read_record, record_path
-
     if has_record(run, records):
         rec = read_record(record_path(records, run.arm, run.seed))
         return rec["metrics"], rec["summary"]
@@ -397,9 +418,7 @@ def _fmt(value: float | None, sign: bool = False) -> str:
 def power_plans(exp: Experiment, runs: list[Run], records: Path | None) -> list[dict[str, Any]]:
     """The power calculation of each comparison from the pilot's variance seeds: paired differences of
     held-out reward at the comparison's primary budget (its last budget without one), the planned SD
-    (an upper confidence limit, `power.sd_upper`) and the seeds that reach the protocol's power."""
-    from otbrl.app.studies import power
-
+    (an upper confidence limit, `inference.sd_upper`) and the seeds that reach the protocol's power."""
     settings = {"power": 0.8, "effect": 0.03, "sd_level": 0.8, **((exp.pilot or {}).get("power") or {})}
     by_arm: dict[str, dict[int, float]] = {}
     for r in runs:
@@ -418,7 +437,7 @@ def power_plans(exp: Experiment, runs: list[Run], records: Path | None) -> list[
         diffs = [cand[s][budget] - base[s][base_budget] for s in sorted(set(cand) & set(base))
                  if budget in cand[s] and base_budget in base[s]]  # fmt: skip
         kind = c.get("kind", "better")
-        calc = power.plan(diffs, kind, float(c.get("margin", 0.0)), float(settings["effect"]), exp.confidence,
+        calc = power_plan(diffs, kind, float(c.get("margin", 0.0)), float(settings["effect"]), exp.confidence,
                           float(settings["power"]), float(settings["sd_level"]))  # fmt: skip
         out.append({"name": c["name"], "kind": kind, "budget": budget, "diffs": diffs, **calc,
                     "target": settings["power"]})  # fmt: skip
@@ -553,7 +572,7 @@ def pilot_page(exp: Experiment, runs: list[Any], results: Path, command: str, lo
             "confidence limit of their SD; seeds: the fewest for which the verdict rule says held with "
             f"probability ≥ {target:g} when the true difference is δ ({exp.confidence:.0%} t interval above "
             "the floor; "
-            "`otbrl.app.studies.power`). The YAML's `power.seeds` must be at least the largest.\n\n"
+            "`otbrl.app.studies.inference`). The YAML's `power.seeds` must be at least the largest.\n\n"
             + markdown_table(["comparison", "kind", "primary budget", "seeds", "differences", "SD",
                               "SD planned", "floor", "δ", "seeds needed"], prow, aligned=False))  # fmt: skip
     page.write_text("\n\n".join(parts) + "\n")

@@ -34,7 +34,7 @@ The fair protocol's keys, fixed before the runs:
     power: {power: 0.8, effect: 0.03, sd: ..., seeds: ...}   # filled from the pilot's page, checked
 
 The protocol (the whole file but `description` and `quick`) is registered when the first run starts and
-every run records its hash (`records`); a later change needs `otbrl compare NAME --amend REASON`.
+every run records its hash (`runs`); a later change needs `otbrl compare NAME --amend REASON`.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import Any
 
 import yaml
 
+from otbrl.app.recipe import load_recipe
 from otbrl.app.studies.runs import Run
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
@@ -270,8 +271,6 @@ def variance_plan(exp: Experiment, out: Path, picks: dict[str, float]) -> list[R
 
 def _run(exp: Experiment, out: Path, arm: str, seed: int, extra: dict[str, Any] | None = None,
          name: str | None = None) -> Run:  # fmt: skip
-    from otbrl.app.recipe import load_recipe
-
     name = name or arm
     arm_overrides = {k: v for k, v in (exp.arms[arm] or {}).items() if k not in ARM_KEYS}
     overrides = {**exp.common, **arm_overrides, **(extra or {}), **exp.forced}

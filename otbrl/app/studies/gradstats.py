@@ -141,7 +141,7 @@ def jackknife_log_interval(
     """Interval for a positive statistic (a ratio) over the batches idx: delete-one jackknife SE of its log,
     with a Student t quantile at K - 1 degrees of freedom (K is small: 16-24 batches). The log makes a
     ratio's interval symmetric in a / b versus b / a and keeps it positive."""
-    from scipy.stats import t as student_t
+    from scipy.stats import t as student_t  # heavy and optional: imported when an interval is made
 
     k, est = len(idx), stat(idx)
     loo = [_log_positive(stat(idx[:j] + idx[j + 1 :])) for j in range(k)] if k >= 3 else []

@@ -1,10 +1,25 @@
-"""Training runs on disk: the moving average their curves (`otbrl.app.metrics`) are smoothed with, and
-`otbrl train` runs launched in their own
-processes, resuming what is already done: a run with a committed record (`records`) is never trained
-again, on any machine."""
+"""Training runs of an experiment: `otbrl train` runs launched in their own processes, their committed
+records, and the protocol stamp that pre-registration is checked by.
+
+A run resumes what is already done: a run with a committed record is never trained again, on any machine.
+A record is one finished run in compact form: its arm, seed and recipe overrides, the hash of its
+experiment's protocol, when it started and finished, its summary and the metrics every analysis reads
+(gzip-compressed JSON, `<results>/runs/<experiment>/<arm>/seed<k>.json.gz`). Pages, claims and the
+benchmarks that read runs are rebuilt from records alone, on any machine; an experiment stopped at any
+point resumes by training only the runs that have no record yet.
+
+The protocol is everything in the experiment's YAML that decides its results (seeds, budgets, arms,
+thresholds, comparisons and verdict rules, pilot and gate, power calculation): the whole file but its
+`description`, `quick` section and comments. Its hash is fixed in `<results>/runs/<experiment>/
+protocol.json` when the first run starts (with whether the YAML was committed then). A later change to
+it stops `otbrl compare` until it is recorded there as an amendment with a reason (`--amend`), and
+claims.md lists every amendment and every result made under a protocol other than its first.
+"""
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import os
 import subprocess
@@ -16,19 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from otbrl.app.metrics import read_metrics
+from otbrl.app.pages import read_record, write_record
 
-def moving_average(values: list[float], window: int, centred: bool = True) -> list[float]:
-    """Mean over a window at each step, shorter where the series begins or ends. centred: window // 2
-    steps on either side (no lag, so a curve crosses a level where the raw series does); otherwise the
-    last `window` steps up to and including this one (trailing, as a live curve would)."""
-    if window < 1:
-        raise ValueError(f"window: must be >= 1, got {window}")
-    before, after = (window // 2, window // 2) if centred else (window - 1, 0)
-    out = []
-    for i in range(len(values)):
-        part = values[max(0, i - before) : i + after + 1]
-        out.append(sum(part) / len(part))
-    return out
+try:  # a progress bar where tqdm is installed (it comes with otbrl[trl]); plain log lines otherwise
+    from tqdm.auto import tqdm
+except ImportError:
+    tqdm = None
 
 
 @dataclass
@@ -39,6 +48,146 @@ class Run:
     seed: int
     dir: Path
     overrides: dict[str, Any]
+
+
+# What the analyses read from each logged step (the rest of metrics.jsonl is TRL's bookkeeping).
+KEEP = (
+    "step", "generated_tokens", "train_seconds", "reward", "reward_std", "frac_reward_zero_std", "grad_norm",
+    "clipped", "learning_rate", "entropy", "completions/mean_length", "completions/max_length",
+    "completions/clipped_ratio", "prompts_sha", "heldout_reward", "heldout_budgets", "otb/lr_decay_trigger",
+    "otb/grad_norm_surge", "otb/energy_own_pass",
+)  # fmt: skip
+KEEP_PREFIXES = ("otb/horizon/",)
+# Keys of an experiment's YAML that are not its protocol.
+NOT_PROTOCOL = ("description", "quick")
+# Keys a pilot's protocol leaves out: what the pilot itself decides (rates), or what is decided after it.
+PILOT_LEAVES_OUT = ("seeds", "reference", "roles", "comparisons", "power", "thresholds", "confidence")
+ARM_KEYS_PILOT_LEAVES_OUT = ("learning_rate", "seeds")
+
+
+def _digits(value: Any) -> Any:
+    """Floats to 6 significant digits (metrics are float32 at best): smaller records, the same analysis."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, list):
+        return [_digits(v) for v in value]
+    return value
+
+
+def compact(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl with only the keys the analyses read."""
+    return [{k: _digits(v) for k, v in r.items() if k in KEEP or k.startswith(KEEP_PREFIXES)} for r in rows]
+
+
+def protocol(raw: dict[str, Any], kind: str = "main") -> dict[str, Any]:
+    """The protocol part of an experiment's parsed YAML; kind "pilot": what its pilot runs depend on."""
+    out = {k: v for k, v in raw.items() if k not in NOT_PROTOCOL}
+    if kind == "pilot":
+        out = {k: v for k, v in out.items() if k not in PILOT_LEAVES_OUT}
+        out["arms"] = {
+            arm: {k: v for k, v in (o or {}).items() if k not in ARM_KEYS_PILOT_LEAVES_OUT}
+            for arm, o in raw.get("arms", {}).items()
+        }
+    elif kind != "main":
+        raise ValueError(f"kind: 'main' or 'pilot', got {kind!r}")
+    return out
+
+
+def protocol_hash(proto: dict[str, Any]) -> str:
+    """16 hex digits of sha256 over the protocol as canonical JSON."""
+    blob = json.dumps(proto, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _git_committed(path: Path) -> dict[str, Any]:
+    """Whether `path` is committed unchanged in the checkout it lies in (and at which commit)."""
+    try:
+        cwd = path.resolve().parent
+        status = subprocess.run(["git", "status", "--porcelain", "--", path.name], cwd=cwd,
+                                capture_output=True, text=True, timeout=20)  # fmt: skip
+        head = subprocess.run(["git", "log", "-1", "--format=%H", "--", path.name], cwd=cwd,
+                              capture_output=True, text=True, timeout=20)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {"committed": None, "commit": None}
+    if status.returncode or head.returncode:
+        return {"committed": None, "commit": None}
+    return {"committed": not status.stdout.strip() and bool(head.stdout.strip()),
+            "commit": head.stdout.strip() or None}  # fmt: skip
+
+
+class ProtocolChanged(RuntimeError):
+    """The experiment's protocol differs from the one registered when its first run started."""
+
+
+def register(folder: Path, proto: dict[str, Any], source: Path | None, amend: str | None = None
+             ) -> dict[str, Any]:  # fmt: skip
+    """The registration of `folder`'s experiment (its protocol.json), written at the first run. A protocol
+    that differs from the registered one (and from its last amendment) raises ProtocolChanged, unless
+    `amend` gives the reason: then it is recorded as an amendment and runs go on."""
+    path = folder / "protocol.json"
+    digest = protocol_hash(proto)
+    git = _git_committed(source) if source is not None else {"committed": None, "commit": None}
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        reg = {"hash": digest, "registered": now(), **git, "protocol": proto, "amendments": []}
+        path.write_text(json.dumps(reg, indent=1, default=str) + "\n")
+        return reg
+    reg = json.loads(path.read_text())
+    current = reg["amendments"][-1]["hash"] if reg["amendments"] else reg["hash"]
+    if digest == current:
+        return reg
+    before = reg["amendments"][-1]["protocol"] if reg["amendments"] else reg["protocol"]
+    changed = sorted(k for k in set(before) | set(proto) if before.get(k) != proto.get(k))
+    if not amend:
+        raise ProtocolChanged(
+            f"{path}: the protocol changed since it was registered ({reg['registered']}): keys "
+            f"{', '.join(changed)}. Undo the change, or record it with --amend 'REASON' (claims.md then "
+            "lists it as a change after the first run started)"
+        )
+    reg["amendments"].append({"hash": digest, "at": now(), "reason": amend, "changed": changed, **git,
+                              "protocol": proto})  # fmt: skip
+    path.write_text(json.dumps(reg, indent=1, default=str) + "\n")
+    return reg
+
+
+def registration(folder: Path) -> dict[str, Any] | None:
+    path = folder / "protocol.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def record_path(folder: Path, arm: str, seed: int) -> Path:
+    return folder / arm / f"seed{seed}.json.gz"
+
+
+def comparable(overrides: dict[str, Any]) -> dict[str, Any]:
+    """A run's overrides without where it ran (the same run on another machine has another output_dir)."""
+    return {k: v for k, v in overrides.items() if k != "output_dir"}
+
+
+def make_record(run: Run, stamp: dict[str, Any]) -> dict[str, Any]:
+    """The record of a finished run, from its directory."""
+    started = run.dir / "started.json"
+    start = json.loads(started.read_text()) if started.is_file() else {}
+    return {
+        "arm": run.arm,
+        "seed": run.seed,
+        "overrides": comparable(run.overrides),
+        # the stamp the run started under; a run that finished before it was stamped stays unstamped
+        "protocol": start.get("protocol") or ({} if not started.is_file() else stamp),
+        "started": start.get("started"),
+        "finished": now(),
+        "summary": json.loads((run.dir / "summary.json").read_text()),
+        "metrics": compact(read_metrics(run.dir / "metrics.jsonl")),
+    }
+
+
+def load_records(folder: Path) -> list[dict[str, Any]]:
+    """Every record under `folder` (an experiment's), in path order."""
+    return [read_record(p) for p in sorted(folder.glob("*/seed*.json.gz"))]
 
 
 def is_done(run: Run) -> bool:
@@ -53,8 +202,6 @@ def is_done(run: Run) -> bool:
 
 def has_record(run: Run, records: Path | None) -> bool:
     """The run's committed record exists and was made with the overrides it would run with now."""
-    from otbrl.app.studies.records import comparable, read_record, record_path
-
     if records is None:
         return False
     path = record_path(records, run.arm, run.seed)
@@ -80,15 +227,19 @@ def _train(recipe: str, run: Run) -> tuple[int, str]:
 
 
 def execute(
-    name: str, recipe: str, runs: list[Run], jobs: int = 2, log: Callable[[str], Any] = print,
-    records: Path | None = None, stamp: dict[str, Any] | None = None,
+    name: str,
+    recipe: str,
+    runs: list[Run],
+    jobs: int = 2,
+    log: Callable[[str], Any] = print,
+    records: Path | None = None,
+    stamp: dict[str, Any] | None = None,
 ) -> list[str]:
     """Run what is not done yet of experiment `name` (base recipe `recipe`), `jobs` at a time. With
     `records` (a folder of committed run records), a run with a record is done, a finished run directory
     without one gets one, and each run that finishes writes its record at once, stamped with `stamp` (the
     protocol's hash), so a stop at any point loses at most the runs in flight. Returns one line per failed
     run (nothing is dropped silently)."""
-    from otbrl.app.studies.records import make_record, now, record_path, write_record
 
     def keep(run: Run) -> None:
         if records is not None:
@@ -105,12 +256,7 @@ def execute(
             + (f" ({len(recorded)} with a record in {records})" if records is not None else "")
             + " (delete a run's record and directory to redo it)")  # fmt: skip
     failures: list[str] = []
-    try:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(todo), desc=f"{name} runs", unit="run")
-    except ImportError:
-        bar = None
+    bar = tqdm(total=len(todo), desc=f"{name} runs", unit="run") if tqdm is not None else None
 
     def one(run: Run) -> None:
         start = time.perf_counter()

@@ -27,8 +27,10 @@ Method (repeated on the results page):
   the first `exact_batches` batches of each N only; its ratio to the proxy OTB is taken on those batches.
   The same batches give the proxy-vs-exact correlations (per token, and per sequence for W_T).
 
-This module is the study's design (estimators, reference, defaults), its loop and its command line; the
-batch mechanics are in `gradients`, the statistics in `gradstats`, the page in `variance_report`.
+This module is the study's batch mechanics (sampled completions, their teacher-forced log-probs with
+autograd graph, energies from the proxy or exact score norms, each estimator's policy-gradient estimate, one
+backward pass apiece), its design (estimators, reference, defaults), its loop and its command line; the
+statistics are in `gradstats`, the page in `variance_page`, the verdicts in `claims`.
 """
 
 from __future__ import annotations
@@ -36,26 +38,126 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
-from otbrl.app.studies.gradients import (
-    Bench,
-    Setting,
-    estimator_advantages,
-    exact_energy,
-    policy_gradients,
-    token_logprobs,
-)
+import otbrl
+from otbrl.app.plots import plot_variance
+from otbrl.app.studies.claims import GROUP_MEAN, proxy_claim, variance_claim
 from otbrl.app.studies.gradstats import gradient_stats, nsr_ratio, pooled_correlations, variance_ratio
-from otbrl.app.studies.plots import plot_variance
-from otbrl.app.studies.variance_claims import GROUP_MEAN, proxy_claim, variance_claim
-from otbrl.app.studies.variance_report import ratio_name, report
+from otbrl.app.studies.variance_page import ratio_name, report
+from otbrl.energy import token_energy
+from otbrl.exact import score_sq_norms
+from otbrl.lm import positions, predicting
+from otbrl.rollout import Samples, sample
 from otbrl.stability import group_horizons
+from otbrl.tasks import dataset, get_task, warm_start
+from otbrl.tasks.warmstart import SHIPPED, default_cache_dir
+
+# label -> (registered estimator, its options, which energy it reads: None, "proxy" or "exact")
+Setting = tuple[str, dict[str, Any], str | None]
+
+
+def draw(model: Any, tokenizer: Any, task: Any, rows: list[dict], n: int, gen: torch.Generator) -> Samples:
+    """Sample n completions of each row's prompt at temperature 1 and score them."""
+    s = sample(
+        model, tokenizer, [r["prompt"] for r in rows], n, task.max_completion_tokens, 1.0, generator=gen
+    )
+    rewards = [
+        task.reward(text, rows[g]["answer"]) for text, g in zip(s.texts, s.group_ids.tolist(), strict=True)
+    ]
+    return replace(s, rewards=torch.tensor(rewards))
+
+
+@dataclass
+class Bench:
+    """What every batch is drawn with: the policy, a pool of fresh prompts, one sampling generator; and
+    the seconds spent per phase."""
+
+    model: Any
+    tokenizer: Any
+    task: Any
+    pool: Iterator[dict]
+    gen: torch.Generator
+    prompts: int
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"sampling": 0.0, "gradients": 0.0, "exact norms": 0.0}
+    )
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] += time.perf_counter() - start
+
+    def batch(self, n: int) -> Samples:
+        with self.timed("sampling"):
+            return draw(self.model, self.tokenizer, self.task, [next(self.pool) for _ in range(self.prompts)],
+                        n, self.gen)  # fmt: skip
+
+
+def token_logprobs(model: torch.nn.Module, r: Samples) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) log pi(y_t) of the policy tokens, with autograd graph, and their proxy energy w_t (no graph);
+    both 0 where mask == 0. Positions skip the left padding, as in the sampler."""
+    width = r.mask.shape[1]
+    attention = r.attention_mask
+    out = model(input_ids=r.input_ids, attention_mask=attention, position_ids=positions(attention))
+    logits = predicting(out.logits, width)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    tokens = r.input_ids[:, -width:]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    keep = r.mask.bool()
+    return torch.where(keep, logp, 0.0), torch.where(keep, token_energy(logits.detach(), tokens), 0.0)
+
+
+def exact_energy(model: torch.nn.Module, r: Samples) -> torch.Tensor:
+    """(B, T) float64 exact ||grad_theta log pi(y_t)||^2. score_sq_norms runs the model without an
+    attention mask, so rows are grouped by their left padding and called with it cut off."""
+    lead = (r.attention_mask.cumsum(-1) == 0).sum(-1)
+    out = torch.zeros(r.mask.shape, dtype=torch.float64)
+    for pad in lead.unique().tolist():
+        rows = (lead == pad).nonzero().flatten()
+        out[rows] = score_sq_norms(model, r.input_ids[rows, pad:], r.mask[rows])
+    return out
+
+
+def estimator_advantages(
+    r: Samples, settings: dict[str, Setting], energy: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """label -> (B, T) advantages from `otbrl.compute_advantages`, one per setting; `energy` maps the
+    settings' energy sources ("proxy", "exact") to (B, T) energies."""
+    out = {}
+    for label, (name, options, source) in settings.items():
+        out[label] = otbrl.compute_advantages(
+            name,
+            rewards=r.rewards,
+            mask=r.mask,
+            group_ids=r.group_ids,
+            energy=energy[source] if source else None,
+            **options,
+        ).advantages
+    return out
+
+
+def policy_gradients(
+    model: torch.nn.Module, logp: torch.Tensor, advantages: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """label -> flat g = (1/B) sum_i sum_t A_it grad log pi(y_it): one backward per estimator through the
+    one forward graph of `logp` (B, T)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = {}
+    for i, (label, adv) in enumerate(advantages.items()):
+        loss = (adv.to(logp.dtype) * logp).sum() / logp.shape[0]
+        grads = torch.autograd.grad(loss, params, retain_graph=i < len(advantages) - 1)
+        out[label] = torch.cat([g.reshape(-1) for g in grads])
+    return out
+
 
 SETTINGS: dict[str, Setting] = {
     "grpo": ("grpo", {}, None),
@@ -102,9 +204,6 @@ def check(cfg: Config) -> None:
 def load_checkpoint(task: str, preset: str, log: Callable[[str], Any]) -> tuple[Any, Any, dict[str, Any]]:
     """The warm start that ships with otbrl (or sits in the cache), never a new one: building one takes up
     to 35 minutes and would not be the policy the pages describe."""
-    from otbrl.tasks import warm_start
-    from otbrl.tasks.warmstart import SHIPPED, default_cache_dir
-
     stored = [d for root in (default_cache_dir(), SHIPPED) for d in root.glob(f"{task}-{preset}-*")]
     if not any((d / "info.json").is_file() for d in stored):
         raise ValueError(
@@ -185,17 +284,14 @@ def measure_group_size(
         "length": sum(lengths) / len(lengths),
         # how the samples of one prompt differ (the setting OTB's per-token weights act in), averaged over
         # the K batches: length_cv, energy_cv, reward_spread, energy_reward_corr (stability.group_horizons)
-        "horizon": {key.removeprefix("horizon/"): sum(h[key] for h in horizons) / len(horizons)
-                    for key in horizons[0]},  # fmt: skip
+        "horizon": {
+            key.removeprefix("horizon/"): sum(h[key] for h in horizons) / len(horizons) for key in horizons[0]
+        },  # fmt: skip
     }
 
 
 def run_study(cfg: Config, log: Callable[[str], Any] = print, progress: bool = True) -> dict[str, Any]:
     """Run the whole measurement; returns the numbers the report and the plot are made from."""
-    from tqdm.auto import tqdm
-
-    from otbrl.tasks import dataset, get_task
-
     check(cfg)
     start = time.perf_counter()
     task = get_task(cfg.task)  # its own token budget (max_completion_tokens) bounds every sample

@@ -1,14 +1,18 @@
-"""What every results page is made of: the machine it was measured on, markdown tables (the one table
-writer, for the studies and for benchmarks/) and a mean ± sd cell. Page prose lives with each study."""
+"""What every results page is made of, shared by the studies, training and benchmarks/: the machine it was
+measured on, markdown tables (the one table writer), a mean ± sd cell, and the committed data behind a page
+(gzip JSON that gives the same bytes for the same content). Page prose lives with each study."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import os
 import platform
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,3 +62,16 @@ def mean_sd(values: Sequence[float | None]) -> str:
     mean = statistics.fmean(kept)
     fmt = (lambda v: f"{v / 1000:.1f}k") if abs(mean) >= 1000 else (lambda v: f"{v:.3f}")
     return fmt(mean) + (f" ± {fmt(statistics.stdev(kept))}" if len(kept) > 1 else "")
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """gzip with a fixed header time: the same record gives the same bytes (no spurious diffs)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = json.dumps(record, separators=(",", ":")).encode()
+    with path.open("wb") as raw, gzip.GzipFile("", "wb", 9, raw, mtime=0) as f:  # no name, no time
+        f.write(blob)
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from otbrl.app.studies.report import machine, markdown_table
+from otbrl.app.pages import machine, markdown_table
 
 
 def matching_group_size(curve: dict[int, float], target: float) -> str:
@@ -62,7 +62,7 @@ def interval_cell(iv: dict[str, float]) -> str:
 
 def _headline(res: dict[str, Any], group_mean: str, verdict_rows: list[tuple[str, ...]]) -> list[str]:
     """The paired noise-to-signal ratios per N with their intervals, and the verdicts they give
-    (verdict_rows: the claims rows, `variance_claims`)."""
+    (verdict_rows: the claims rows, `claims.variance_claim` and `claims.proxy_claim`)."""
     ns = list(res["per_n"])
     names = list(res["per_n"][ns[0]].get("nsr_ratios", {}))
     if not names:
@@ -248,7 +248,7 @@ def report(res: dict[str, Any], group_mean: str, reference_group_size: int,
            verdict_rows: list[tuple[str, ...]]) -> str:  # fmt: skip
     """The page as markdown. group_mean: the estimator label OTB is set against; reference_group_size:
     the N of the reference gradient's samples; verdict_rows: the study's claims rows with their
-    verdicts (`variance_claims`, which reads this module's helpers: passed in, not imported)."""
+    verdicts (`claims`, which reads this module's helpers: passed in, not imported)."""
     cfg, ns, sec = res["config"], list(res["per_n"]), res["seconds"]
     budget = f", token budget {res['budget']}" if "budget" in res else ""
     cv = "".join(

@@ -1,25 +1,35 @@
-"""The studies' figures: a training run's curves, an experiment's arms compared, and the variance study's
-variance-vs-N and proxy-vs-exact panels. matplotlib is imported only when a figure is drawn."""
+"""Every figure the application draws: a training run's curves (written by `otbrl train` and benchmarks/),
+an experiment's arms compared, and the variance study's variance-vs-N and proxy-vs-exact panels.
+matplotlib and scipy are heavy optional dependencies (otbrl[trl]): imported only when a figure is drawn."""
 
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from otbrl.app.metrics import read_metrics
-from otbrl.app.studies.runs import moving_average
+from otbrl.app.metrics import moving_average, read_metrics
 
 
 def pyplot() -> Any:
+    """matplotlib's pyplot, imported on first use (heavy and optional)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with `df` degrees of freedom (scipy imported on first use: heavy)."""
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, df))
 
 
 def save(fig: Any, path: Path, dpi: int, tight: bool = True, **options: Any) -> None:
@@ -85,9 +95,6 @@ MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 def band(xs: list[list[float]], ys: list[list[float]], points: int = 60) -> tuple[Any, Any, Any]:
     """Mean and 95% t band over runs of curves y(x), each interpolated onto a common grid of x up to the
     shortest run's end. (grid, mean, half-width); half-width 0 for a single run."""
-    import numpy as np
-    from scipy import stats
-
     end = min(x[-1] for x in xs)
     grid = np.linspace(max(x[0] for x in xs), end, points)
     curves = np.stack([np.interp(grid, x, y) for x, y in zip(xs, ys, strict=True)])
@@ -95,21 +102,20 @@ def band(xs: list[list[float]], ys: list[list[float]], points: int = 60) -> tupl
     mean = curves.mean(axis=0)
     if n < 2:
         return grid, mean, np.zeros_like(mean)
-    half = stats.t.ppf(0.975, n - 1) * curves.std(axis=0, ddof=1) / np.sqrt(n)
+    half = t975(n - 1) * curves.std(axis=0, ddof=1) / np.sqrt(n)
     return grid, mean, half
 
 
 def _arm_band(ax: Any, runs: list[dict[str, Any]], x: str, y: str, style: dict[str, Any], label: str,
               log_y: bool = False) -> None:  # fmt: skip
-    import numpy as np
-
     usable = [r for r in runs if len(r[x]) > 1]
     if not usable:
         return
     ys = [np.log(np.clip(np.nan_to_num(r[y], nan=0.0), 1e-12, None)) if log_y else r[y] for r in usable]
     grid, mean, half = band([r[x] for r in usable], ys)
-    lo, mid, hi = (np.exp(v) for v in (mean - half, mean, mean + half)) if log_y else (mean - half, mean,
-                                                                                          mean + half)
+    lo, mid, hi = (
+        (np.exp(v) for v in (mean - half, mean, mean + half)) if log_y else (mean - half, mean, mean + half)
+    )
     ax.plot(grid, mid, label=f"{label} (n={len(usable)})", markevery=12, ms=4, lw=1.6, **style)
     ax.fill_between(grid, lo, hi, color=style["color"], alpha=0.15, lw=0)
 
@@ -119,9 +125,6 @@ def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> 
     line style and marker per arm (curves that coincide stay visible): smoothed train reward and mean
     completion length against generated tokens, held-out reward at each token budget (95% intervals),
     and the smoothed pre-clip gradient norm (log scale) against step."""
-    import numpy as np
-    from scipy import stats
-
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     (reward_ax, heldout_ax), (length_ax, norm_ax) = axes
@@ -143,7 +146,7 @@ def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> 
                 continue
             xs.append(b * (1 + 0.03 * (i - len(arms) / 2)) if b else 0.0)  # side by side, not on top
             means.append(float(np.mean(vals)))
-            halves.append(float(stats.t.ppf(0.975, len(vals) - 1) * np.std(vals, ddof=1) / np.sqrt(len(vals)))
+            halves.append(float(t975(len(vals) - 1) * np.std(vals, ddof=1) / np.sqrt(len(vals)))
                           if len(vals) > 1 else 0.0)  # fmt: skip
         heldout_ax.errorbar(xs, means, yerr=halves, capsize=3, label=arm, **{**style, "ms": 5})
         for r in runs:
@@ -159,8 +162,6 @@ def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> 
         ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 3)) if ax is not norm_ax else None
     reward_ax.legend(fontsize=8, loc="best")
     heldout_ax.legend(fontsize=8, loc="best")
-    import textwrap
-
     fig.suptitle(textwrap.fill(title, 150) + "\n(lines: mean over seeds; bands: 95% t interval)", fontsize=10)
     save(fig, png, dpi=100)
 
@@ -186,8 +187,6 @@ def _gap(value: float, bound: float | None) -> float:
 
 def _estimator_panel(ax: Any, res: dict[str, Any], key: str) -> None:
     """One statistic against N per estimator, log-log: key "nsr" (95% interval bars) or "rel_var" (± SE)."""
-    import matplotlib.ticker
-
     ns = list(res["per_n"])
     estimators = list(res["config"]["estimators"])
     for i, e in enumerate(estimators):
@@ -207,7 +206,7 @@ def _estimator_panel(ax: Any, res: dict[str, Any], key: str) -> None:
     ylabel = "trace Cov(g) / ||E g||²" if key == "nsr" else "trace Cov(g) / ||g_ref||²"
     ax.set(xscale="log", yscale="log", xlabel="group size N", ylabel=ylabel)
     ax.set_xticks(ns, [str(n) for n in ns])
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.xaxis.set_minor_formatter(pyplot().NullFormatter())
     nsr_title = "noise-to-signal (95% interval; no bar: undetermined)"
     title = nsr_title if key == "nsr" else "relative variance (± SE; not scale-free)"
     ax.set_title(f"{res['config']['task']}: {title}", fontsize=10)
