@@ -38,9 +38,9 @@ $(VSTAMP): pyproject.toml
 	$(VPY) -m pip install -q -c .venv-verl/constraints.txt -e ".[verl]" "pytest>=8,<10" "hypothesis>=6.100,<7"
 	touch $(VSTAMP)
 
-# Runs tests/verl only; there verl is required, so a missing verl fails instead of skipping.
+# Runs tests/integrations/verl only; there verl is required, so a missing verl fails instead of skipping.
 test-verl: $(VSTAMP)
-	OTBRL_REQUIRE_VERL=1 $(VPY) -m pytest tests/verl
+	OTBRL_REQUIRE_VERL=1 $(VPY) -m pytest tests/integrations/verl
 
 demo: $(STAMP)
 	.venv/bin/otbrl demo

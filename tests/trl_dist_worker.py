@@ -1,4 +1,4 @@
-"""Shared pieces of tests/test_trl.py, and its two-process worker.
+"""Shared pieces of tests/integrations/test_trl.py, and its two-process worker.
 
 As a worker (run from the repository root):
 
@@ -215,7 +215,7 @@ def fsdp_main(out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from otbrl.lm import check_head, completion_energy
-    from tests.test_lm import family_model, model_reference
+    from tests.core.test_lm import family_model, model_reference
 
     faulthandler.dump_traceback_later(90, exit=True)
     torch.set_num_threads(1)

@@ -39,7 +39,7 @@ def recipe_names() -> list[str]:
 # Reading values. YAML 1.1 (PyYAML's default) reads `no`/`yes`/`on`/`off` as booleans and `1e-4` as a
 # string; recipes follow YAML 1.2 instead: only true/false are booleans and 1e-4 is a float. TRL's and
 # transformers' YAML readers (TrlParser, HfArgumentParser.parse_yaml_file) are YAML 1.1 and do not read
-# values as their fields' types (tests/test_config.py shows both), hence this loader.
+# values as their fields' types (tests/app/test_config.py shows both), hence this loader.
 
 _BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
 

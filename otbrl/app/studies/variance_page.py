@@ -85,8 +85,8 @@ def _headline(res: dict[str, Any], group_mean: str, verdict_rows: list[tuple[str
         "An interval that does not contain 1 is a significant difference at the 5% level. Undetermined: on "
         "some subset of K - 1 batches the debiased signal ||mean g||² - trace Cov / K was not positive, so "
         "the noise was too large for K batches to measure the signal; such a ratio decides no verdict. On "
-        "synthetic Gaussian gradients with a known ratio (tests/test_variance.py) the interval held the true "
-        "ratio in about 95% of 200 repetitions at K = 24.",
+        "synthetic Gaussian gradients with a known ratio (tests/app/test_variance.py) the interval held the "
+        "true ratio in about 95% of 200 repetitions at K = 24.",
         "",
         markdown_table(["N", *names], rows),
         "",

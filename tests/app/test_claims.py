@@ -214,7 +214,7 @@ def test_the_shipped_readme_states_what_claims_md_states() -> None:
 
     from otbrl.app.studies.claims import BEGIN, END, readme_block
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     readme, page = root / "README.md", root / "docs" / "results" / "claims.md"
     section = readme.read_text().split(BEGIN)[1].split(END)[0].strip()
     assert section == readme_block(page, readme), "run `otbrl claims --readme README.md`"

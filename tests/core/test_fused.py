@@ -306,7 +306,7 @@ TRITON_SCRIPT = textwrap.dedent(
     """
     import json, torch
     from otbrl.fused import fused_token_stats
-    from tests.test_fused import case, reference
+    from tests.core.test_fused import case, reference
     out = {}
     # sizes that are not multiples of the blocks (32 rows, 64 vocabulary, 32 hidden)
     for dtype in (torch.float32, torch.bfloat16):
@@ -326,7 +326,7 @@ TRITON_SCRIPT = textwrap.dedent(
 def run_interpreted(script: str) -> dict:
     """Run `script` with the Triton kernel built for the CPU interpreter; its last stdout line is JSON."""
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
     run = subprocess.run(
         [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300
@@ -353,7 +353,7 @@ TRITON_DTYPES_SCRIPT = textwrap.dedent(
     import json, os, types, torch
     from otbrl import fused_triton
     from otbrl.fused import fused_token_stats
-    from tests.test_fused import case, reference
+    from tests.core.test_fused import case, reference
     f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
     as_on_gpu = types.SimpleNamespace(environ={})
     out = {}
@@ -385,7 +385,7 @@ TRITON_NEG_INF_SCRIPT = textwrap.dedent(
     """
     import json, math, torch
     from otbrl.fused import fused_token_stats
-    from tests.test_fused import masked_case, reference
+    from tests.core.test_fused import masked_case, reference
     out = {}
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)

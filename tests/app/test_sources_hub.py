@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("otbrl.integrations.trl")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the snapshot a download of `main` would leave
 # A chat template over the character tokenizer's alphabet (the tiny model has no special chat tokens).
 TEMPLATE = (

@@ -171,9 +171,13 @@ def test_a_reward_function_that_fails_in_training_stops_the_run_with_its_text(
     assert exc.value.code == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith(
-        "otbrl: run stopped: reward function flaky failed on every sample of a batch (8): "
-        "RuntimeError: grader unavailable; sample: prompt"
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "otbrl: run stopped: reward function flaky failed on every sample of a batch (8): "
+            "RuntimeError: grader unavailable; sample: prompt"
+        )
     )
     first = [r.getMessage() for r in caplog.records if r.name == "otbrl.rewards"]
     assert first and first[0].startswith("otbrl: reward function flaky failed: RuntimeError: grader unavail")

@@ -14,7 +14,7 @@ from verl.trainer.ppo.v1 import get_trainer_cls
 import otbrl.integrations.verl as plugin
 from otbrl.integrations.verl.trainer import OTBPPOTrainerSync, check_config
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "verl"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "verl"
 # Keys verl's config does not have by design: otbrl's section and the environment for Ray workers.
 OWN_KEYS = ("algorithm.otbrl.", "ray_kwargs.ray_init.runtime_env.env_vars.", "hydra.", "defaults")
 

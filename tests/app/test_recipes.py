@@ -51,7 +51,7 @@ def test_values_are_read_as_the_field_types():
     assert coerce("learning_rate", "1e-4") == 1e-4 and coerce("learning_rate", 3) == 3.0
     assert coerce("max_steps", "7") == 7 and coerce("bf16", "false") is False
     assert coerce("tools", "[calc]") == ["calc"] and coerce("tools", "calc") == ["calc"]
-    assert coerce("estimator_options", '{leave_one_out: true}') == {"leave_one_out": True}
+    assert coerce("estimator_options", "{leave_one_out: true}") == {"leave_one_out": True}
     assert coerce("report_to", ["tensorboard"]) == ["tensorboard"] and coerce("task", "null") is None
     assert coerce("output_dir", 2024) == "2024"  # a string field keeps what YAML wrote, as text
     # fields that default to True also have a --no_<field> flag: the value is still read as a boolean

@@ -1,4 +1,4 @@
-"""Issue 14: host unix sockets, the host's files and memory outside RLIMIT_AS.
+"""The sandbox's isolation: host unix sockets, the host's files and memory outside RLIMIT_AS.
 
 A call sees a fresh root with only the interpreter and the system's programs and libraries (read-only),
 and one memory cgroup holds the whole call. Where a mechanism is missing (no namespaces, no writable
@@ -19,7 +19,12 @@ import pytest
 
 from otbrl.tools import _cgroup, run_python, sandbox
 from otbrl.tools._launcher import _reachable
-from tests.test_sandbox_hostile import _isolated, _memcg, _sandbox_processes, assert_nothing_left_behind
+from tests.rollout.test_sandbox_hostile import (
+    _isolated,
+    _memcg,
+    _sandbox_processes,
+    assert_nothing_left_behind,
+)
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 

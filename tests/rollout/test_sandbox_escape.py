@@ -1,4 +1,4 @@
-"""Issue 23: ways out of the sandbox and ways to bend its report, as root and as an unprivileged user.
+"""Ways out of the sandbox and ways to bend its report, as root and as an unprivileged user.
 
 Each scenario runs in a fresh interpreter (`_scenario`): as the caller (root here), and, when the caller
 is root, again as `nobody` with the system's interpreter, once with per-call cgroups delegated to it
@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 
 from otbrl.tools import _cgroup, run_python
-from tests.test_sandbox_hostile import assert_nothing_left_behind
+from tests.rollout.test_sandbox_hostile import assert_nothing_left_behind
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
 # System-call numbers from the kernel's headers (asm/unistd_64.h; asm-generic/unistd.h for aarch64).
 NR = {

@@ -27,7 +27,7 @@ import otbrl  # noqa: E402
 from otbrl.integrations.trl import OTBGRPOConfig, OTBGRPOTrainer  # noqa: E402
 from tests.trl_dist_worker import GROUP, RUNS, answer_reward, make_config, make_trainer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ESTIMATORS = sorted(set(otbrl.ESTIMATORS) - {"otb_exact"})
 
 

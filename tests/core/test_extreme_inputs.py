@@ -1,5 +1,5 @@
-"""Decisions on edge cases (issue 15 item 9): a lone trajectory at an interior column with position
-alignment, finite but extreme inputs, and numpy / 0-d tensor temperatures."""
+"""Extreme and unusual inputs, and what the estimators decide on them: a lone trajectory at an interior
+column with position alignment, finite but extreme inputs, and numpy / 0-d tensor temperatures."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The real-model tasks: prompts a chat model reads, rewards by the final number, problems keyed by their
-numbers (tests/test_split.py checks the held-out side)."""
+numbers (tests/tasks/test_split.py checks the held-out side)."""
 
 import random
 

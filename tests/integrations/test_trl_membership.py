@@ -24,8 +24,8 @@ import otbrl  # noqa: E402
 from otbrl.integrations.trl import OTBGRPOTrainer  # noqa: E402
 from otbrl.integrations.trl.rewards import GuardedReward  # noqa: E402
 from otbrl.integrations.trl.trainer import sequence_advantages  # noqa: E402
+from tests.core.test_lm import reference_energy  # noqa: E402
 from tests.references import otb_ref, sequence_ref  # noqa: E402
-from tests.test_lm import reference_energy  # noqa: E402
 from tests.trl_dist_worker import GROUP, answer_reward, make_config, make_trainer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -133,9 +133,7 @@ def test_truncated_rows_energy_is_scored_with_their_completion_visible(tmp_path,
     num_iterations=2); the energy of such a row, which enters its peers' OTB baselines, must be that of
     the completion as sampled: the float64 energy from the model's own logits, completion visible.
     Learning rate 0: the model after the step is the one that scored it."""
-    trainer = _truncating_run(
-        tmp_path, "otb", num_iterations=num_iterations, learning_rate=0.0
-    )
+    trainer = _truncating_run(tmp_path, "otb", num_iterations=num_iterations, learning_rate=0.0)
     (record,) = trainer.records
     out = record["out"]
     members, truncated = sampled_rows(out["completion_ids"], out["completion_mask"].shape[1])

@@ -39,7 +39,7 @@ def test_local_model_directory_loads(tmp_path):
     for a, b in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert tok.decode(tok("12+3=")["input_ids"]) == "12+3="
-    # A name that is neither a directory nor a Hub id (a Hub id is fetched: tests/test_hub.py)
+    # A name that is neither a directory nor a Hub id (a Hub id is fetched: tests/app/test_sources_hub.py)
     with pytest.raises(ValueError, match=r"model: './nowhere' is not warm:<preset>, random:<preset>, a loc"):
         load_model({"model": "./nowhere"}, log=lambda *_: None)
 
