@@ -1,18 +1,11 @@
 """A whole OTB update in plain PyTorch: sample a group -> energy -> advantages -> loss -> optimizer step.
-
-A small GRU over a character vocabulary learns, from scratch, to repeat a letter n times ("k3:" -> "kkk"),
-scored with partial credit (the fraction of characters right, position by position). torch and otbrl's
-core only; well under a minute on one CPU thread:
-
-    python examples/minimal_loop.py --steps 300 --group-size 8 --estimator otb --seed 0
+A small GRU learns from scratch to repeat a letter n times ("k3:" -> "kkk"), scored with partial credit.
+torch and otbrl's core only; under a minute on one thread: `python examples/minimal_loop.py --steps 300`.
 """
-
-from __future__ import annotations
 
 import argparse
 import random
 import string
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -37,15 +30,13 @@ def partial_credit(completion: str, answer: str) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    usable = sorted(name for name, spec in otbrl.ESTIMATORS.items() if not spec.needs_model)
+    """--steps: optimizer steps; --group-size: completions per prompt (N); --prompts: prompts per step."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--group-size", type=int, default=8, help="completions sampled per prompt (N)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    defaults = {"steps": 300, "group-size": 8, "prompts": 16, "lr": 2e-3, "temperature": 1.0, "seed": 0}
+    for flag, default in defaults.items():
+        p.add_argument(f"--{flag}", type=type(default), default=default)
+    usable = sorted(name for name, spec in otbrl.ESTIMATORS.items() if not spec.needs_model)
     p.add_argument("--estimator", default="otb", choices=usable, help="advantage estimator")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -77,37 +68,33 @@ def sample(policy: Policy, prompt_ids: Tensor, steps: int, temperature: float, g
     """Tokens (B, T); mask (B, T), True up to and including <eos> (what the policy chose); and the logits
     (B, T, V) each token was sampled from."""
     logits, state = policy(prompt_ids)
-    alive, steps_taken = torch.ones(len(prompt_ids), dtype=torch.bool), []
+    alive, taken = torch.ones(len(prompt_ids), dtype=torch.bool), []
     for _ in range(steps):
         z = logits[:, -1]
         y = torch.multinomial(torch.softmax(z / temperature, -1), 1, generator=gen).squeeze(-1)
-        steps_taken.append((y, alive.clone(), z))
+        taken.append((y, alive.clone(), z))
         alive &= y != VOCAB[EOS]
         logits, state = policy(y[:, None], state)
-    tokens, mask, seen = zip(*steps_taken, strict=True)
-    return torch.stack(tokens, 1), torch.stack(mask, 1), torch.stack(seen, 1)
+    return tuple(torch.stack(column, 1) for column in zip(*taken, strict=True))
 
 
 def token_logprobs(policy: Policy, prompt_ids: Tensor, tokens: Tensor, temperature: float) -> Tensor:
-    """(B, T) log pi(y_t) with gradient, from one teacher-forced pass over prompt + completion: the logits
-    at column P - 1 + t predict completion token t."""
+    """(B, T) log pi(y_t) with gradient, from one teacher-forced pass: column P - 1 + t predicts token t."""
     logits, _ = policy(torch.cat([prompt_ids, tokens[:, :-1]], dim=1))
     logits = logits[:, prompt_ids.shape[1] - 1 :] / temperature
     return torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
 
 
-def train(args: argparse.Namespace, log: Callable[[str], object] = print) -> tuple[Policy, list[dict]]:
+def train(args: argparse.Namespace, log=print) -> tuple[Policy, list[dict]]:
     torch.manual_seed(args.seed)
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     policy = Policy()
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    history = []
+    optimizer, history = torch.optim.Adam(policy.parameters(), lr=args.lr), []
     for step in range(1, args.steps + 1):
         # 1. Sample a group: N completions per prompt; the rows of one prompt share a group id.
         pairs = [make_repeat(rng) for _ in range(args.prompts)]
         prompts, answers = zip(*(pair for pair in pairs for _ in range(args.group_size)), strict=True)
-        prompt_ids = encode(prompts)
-        group_ids = torch.arange(args.prompts).repeat_interleave(args.group_size)
+        prompt_ids, group_ids = encode(prompts), torch.arange(args.prompts).repeat_interleave(args.group_size)
         tokens, mask, logits = sample(policy, prompt_ids, 9, args.temperature, gen)
         rewards = torch.tensor(list(map(partial_credit, decode(tokens), answers)))
         # 2. Energy w_t = ||e_y - softmax(z_t / T)||^2 from the logits that sampled each token.
@@ -117,8 +104,8 @@ def train(args: argparse.Namespace, log: Callable[[str], object] = print) -> tup
             args.estimator, rewards=rewards, mask=mask, group_ids=group_ids, energy=energy
         ).advantages
         # 4. Loss -A_t log pi(y_t) over policy tokens (one step per batch: on-policy, so no clipping).
-        loss = otbrl.policy_gradient_loss(token_logprobs(policy, prompt_ids, tokens, args.temperature),
-                                          advantages, mask)  # fmt: skip
+        logprobs = token_logprobs(policy, prompt_ids, tokens, args.temperature)
+        loss = otbrl.policy_gradient_loss(logprobs, advantages, mask)
         # 5. Optimizer step.
         optimizer.zero_grad()
         loss.backward()
