@@ -1,5 +1,5 @@
-"""tests/verl run in the verl venv (`make test-verl`), where verl is required; elsewhere they are skipped
-as a whole, because verl pins a transformers range the main environment does not meet."""
+"""tests/integrations/verl run in the verl venv (`make test-verl`), where verl is required; elsewhere they
+are skipped as a whole, because verl pins a transformers range the main environment does not meet."""
 
 import importlib.util
 import os
