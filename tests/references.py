@@ -1,5 +1,6 @@
-"""Plain float64 loop references for the estimators, written independently of otbrl (never imported
-from it), plus a random-batch generator shared by the estimator tests."""
+"""Plain float64 loop references for the estimators and for the energy of completion tokens, written
+independently of otbrl (never imported from it), plus a random-batch generator shared by the estimator
+tests."""
 
 from __future__ import annotations
 
@@ -221,3 +222,25 @@ def authors_otb_ref(rewards, mask, group_ids, energy, *, multi_turn: bool, eps: 
             if mask[i, t]:
                 adv[i, t] = fg[i, k] - base[i, k]
     return adv
+
+
+def reference_energy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(B, T, V) logits, (B, T) tokens -> (B, T) float64 ||e_y - softmax(z / T)||^2, one token at a time."""
+    out = torch.zeros(tokens.shape, dtype=torch.float64)
+    for b in range(tokens.shape[0]):
+        for t in range(tokens.shape[1]):
+            z = logits[b, t].double() / temperature
+            p = torch.exp(z - z.max())
+            p = p / p.sum()
+            onehot = torch.zeros_like(p)
+            onehot[int(tokens[b, t])] = 1.0
+            out[b, t] = ((onehot - p) ** 2).sum()
+    return out
+
+
+def model_reference(model, ids: torch.Tensor, attention: torch.Tensor, n: int, temperature: float):  # noqa: ANN001, ANN201
+    """The energy of the last n tokens from the model's own full-sequence logits, float64."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits
+    width = ids.shape[1]
+    return reference_energy(logits[:, width - n - 1 : width - 1], ids[:, width - n :], temperature)

@@ -215,7 +215,8 @@ def fsdp_main(out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from otbrl.lm import check_head, completion_energy
-    from tests.core.test_lm import family_model, model_reference
+    from tests.models import family_model
+    from tests.references import model_reference
 
     faulthandler.dump_traceback_later(90, exit=True)
     torch.set_num_threads(1)

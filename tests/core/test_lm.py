@@ -17,55 +17,10 @@ transformers = pytest.importorskip("transformers")
 
 import otbrl  # noqa: E402
 from otbrl.lm import HeadTransform, check_head, completion_energy, head_energy, head_transform  # noqa: E402
+from tests.models import COMMON, FAMILIES, SHARPEN, VOCAB, ScaledQwen2, family_model, half_supported  # noqa: E402
+from tests.references import model_reference, reference_energy  # noqa: E402
 
-VOCAB = 52  # the character tokenizer's size, so the same models serve the TRL tests
 TEMPERATURE = 0.7
-SHARPEN = 20.0  # head weight multiplier: logits of tens, where capping and scaling change the softmax
-
-COMMON = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-    num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
-    bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
-FAMILIES = {
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"final_logit_softcapping": 5.0, "head_dim": 16}),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 8.0}),
-    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 4.0}),
-}
-
-
-def family_model(name: str, seed: int = 0, sharpen: float = SHARPEN) -> torch.nn.Module:
-    """A tiny random model of one family, its output head multiplied by `sharpen`, in eval mode."""
-    config_cls, model_cls, extra = FAMILIES[name]
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(sharpen)
-    return model.eval()
-
-
-def reference_energy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(B, T, V) logits, (B, T) tokens -> (B, T) float64 ||e_y - softmax(z / T)||^2, one token at a time."""
-    out = torch.zeros(tokens.shape, dtype=torch.float64)
-    for b in range(tokens.shape[0]):
-        for t in range(tokens.shape[1]):
-            z = logits[b, t].double() / temperature
-            p = torch.exp(z - z.max())
-            p = p / p.sum()
-            onehot = torch.zeros_like(p)
-            onehot[int(tokens[b, t])] = 1.0
-            out[b, t] = ((onehot - p) ** 2).sum()
-    return out
-
-
-def model_reference(model, ids: torch.Tensor, attention: torch.Tensor, n: int, temperature: float):  # noqa: ANN001, ANN201
-    """The energy of the last n tokens from the model's own full-sequence logits, float64."""
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits
-    width = ids.shape[1]
-    return reference_energy(logits[:, width - n - 1 : width - 1], ids[:, width - n :], temperature)
 
 
 def _batch(
@@ -170,15 +125,6 @@ def test_masked_positions_get_zero():
     attention[1, -2:] = 0
     got = completion_energy(model, ids, attention, 6, TEMPERATURE)
     assert (got[1, -2:] == 0).all() and (got[1, :-2] > 0).all()
-
-
-class ScaledQwen2(transformers.Qwen2ForCausalLM):
-    """A family otbrl does not know: it multiplies its logits by 3 in its forward, with no config field."""
-
-    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-        out = super().forward(*args, **kwargs)
-        out.logits = out.logits * 3.0
-        return out
 
 
 def test_unknown_head_is_refused_with_the_way_out():
@@ -365,15 +311,6 @@ def test_energy_forward_runs_without_dropout():
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _half_supported(dtype: torch.dtype) -> bool:
-    """Whether this CPU runs a matmul under autocast to `dtype`."""
-    try:
-        with torch.autocast("cpu", dtype=dtype):
-            return (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
-    except (RuntimeError, ValueError):
-        return False
-
-
 def _autocast_forward(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """The model's forward wrapped in autocast, as accelerate wraps it for TRL's bf16=True / fp16=True
     (mixed precision over float32 weights); its logits come back in float32, as accelerate returns them."""
@@ -395,7 +332,7 @@ def test_float32_model_under_autocast_passes_the_head_check(dtype, wrapped):
     """A float32 tiny Llama run under bf16 (TRL's default) or fp16 autocast has a standard head: its logits
     are bf16-rounded, and a float32 rebuild compared at float32's tolerance refused it (relative error
     ~1e-3 here, 0.0059 on SmolLM2-135M). A head that is really unusual is still refused."""
-    if not _half_supported(dtype):
+    if not half_supported(dtype):
         pytest.skip(f"this CPU has no {dtype} autocast")
     torch.manual_seed(0)
     model = family_model("llama")
@@ -416,7 +353,7 @@ def test_float32_model_under_autocast_passes_the_head_check(dtype, wrapped):
 def test_half_precision_tolerance_still_refuses_a_small_change():
     """Under bf16 autocast the tolerance widens to 2e-2 of the largest logit: a head scaled by 1.1 (a 10%
     change, e.g. an unread logit multiplier) is still refused."""
-    if not _half_supported(torch.bfloat16):
+    if not half_supported(torch.bfloat16):
         pytest.skip("this CPU has no bf16 autocast")
 
     class Slightly(transformers.LlamaForCausalLM):

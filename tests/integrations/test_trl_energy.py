@@ -20,7 +20,9 @@ import torch  # noqa: E402
 
 import otbrl  # noqa: E402
 from otbrl.integrations.trl import OTBGRPOTrainer  # noqa: E402
-from tests.core.test_lm import FAMILIES, family_model, reference_energy  # noqa: E402
+from tests.integrations.processes import run_on_two_processes  # noqa: E402
+from tests.models import COMMON, FAMILIES, ScaledQwen2, family_model, half_supported  # noqa: E402
+from tests.references import reference_energy  # noqa: E402
 from tests.trl_dist_worker import make_config, make_trainer  # noqa: E402
 
 TEMPERATURE = 0.7
@@ -115,8 +117,6 @@ def test_no_extra_forward_when_trl_computes_old_logps(tmp_path, monkeypatch):
 
 
 def test_unknown_head_is_refused_in_training(tmp_path):
-    from tests.core.test_lm import COMMON, ScaledQwen2
-
     torch.manual_seed(0)
     model = ScaledQwen2(__import__("transformers").Qwen2Config(**COMMON))
     trainer = make_trainer(make_config(tmp_path, max_steps=1), model=model)
@@ -275,8 +275,6 @@ def test_fsdp2_energy_matches_the_unsharded_model(tmp_path):
     """tests/trl_dist_worker.py --fsdp: Qwen2 (fused head, DTensor weight gathered) and Gemma2 (soft-capped,
     tiled) sharded over 2 processes; each rank's energy equals its unsharded model's, where the decoder
     called directly (the trainer's pass before otbrl.lm) fails on the sharded embedding."""
-    from tests.integrations.test_trl import run_on_two_processes
-
     run_on_two_processes("--fsdp", str(tmp_path))
     for family in ("qwen2", "gemma2"):
         for rank in range(2):
@@ -339,9 +337,7 @@ def test_bf16_autocast_over_float32_weights_trains(tmp_path, num_iterations):
     """bf16=True wraps the model's forward in bf16 autocast; a plain float32 Llama was refused at its first
     step ("relative error 0.0059 > 0.0001" on SmolLM2-135M). Its energy is that of its bf16-autocast
     logits: within bf16 rounding of the float32 reference."""
-    from tests.core.test_lm import _half_supported
-
-    if not _half_supported(torch.bfloat16):
+    if not half_supported(torch.bfloat16):
         pytest.skip("this CPU has no bf16 autocast")
     args = make_config(
         tmp_path, max_steps=1, bf16=True, num_iterations=num_iterations, temperature=TEMPERATURE,

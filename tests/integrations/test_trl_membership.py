@@ -24,8 +24,7 @@ import otbrl  # noqa: E402
 from otbrl.integrations.trl import OTBGRPOTrainer  # noqa: E402
 from otbrl.integrations.trl.rewards import GuardedReward  # noqa: E402
 from otbrl.integrations.trl.trainer import sequence_advantages  # noqa: E402
-from tests.core.test_lm import reference_energy  # noqa: E402
-from tests.references import otb_ref, sequence_ref  # noqa: E402
+from tests.references import otb_ref, reference_energy, sequence_ref  # noqa: E402
 from tests.trl_dist_worker import GROUP, answer_reward, make_config, make_trainer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from otbrl.integrations.trl.tap import LogSumSqTap  # noqa: E402
-from tests.core.test_lm import FAMILIES, VOCAB, family_model  # noqa: E402
+from tests.models import FAMILIES, VOCAB, family_model  # noqa: E402
 
 TEMPERATURE = 0.7
 PROMPT = 3  # leading positions whose labels are -100, as TRL masks the prompt

@@ -28,10 +28,12 @@ from pathlib import Path
 
 import pytest
 
-from otbrl.tools import _cgroup, run_python
-from tests.rollout.test_sandbox_hostile import assert_nothing_left_behind
+from otbrl.tools import run_python
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only"),
+    pytest.mark.usefixtures("nothing_left_behind"),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -61,13 +63,6 @@ mark = f"otbrl-sandbox-{os.getpid()}-"
 left = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(mark)] + _cgroup.leftovers()
 print(json.dumps({**dataclasses.asdict(result), "check": env.get("check"), "leftovers": left}))
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nothing_left_behind():
-    yield
-    assert_nothing_left_behind(cgroups=False)
-    assert _cgroup.leftovers() == [], "per-call cgroups survived"
 
 
 def _delegated_cgroups() -> str | None:

@@ -15,61 +15,13 @@ import time
 
 import pytest
 
-from otbrl.tools import _cgroup, run_python
-from otbrl.tools.sandbox import _SLOTS, _UID_BASE
+from otbrl.tools import run_python
+from tests.rollout.sandbox_checks import isolated, memcg, sandbox_processes
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
-
-MARK = f"otbrl-sandbox-{os.getpid()}-"  # the sandbox's temp dirs for this (pytest) process
-
-
-def _sandbox_processes() -> list[int]:
-    """Processes of this test session's sandboxes, zombies included: their command line names a script
-    under MARK, or (root) they run as one of the uids the sandbox hands out to this process."""
-    low = _UID_BASE + os.getpid() * _SLOTS
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/status") as f:
-                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
-        except (OSError, StopIteration):
-            continue
-        if MARK.encode() in cmdline or (os.geteuid() == 0 and low <= uid < low + _SLOTS):
-            found.append(int(entry))
-    return found
-
-
-def _leftover_dirs() -> list[str]:
-    return [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(MARK)]
-
-
-def assert_nothing_left_behind(cgroups: bool = True) -> None:
-    """No sandbox process, directory (or, with `cgroups`, per-call cgroup) of this session survives; the
-    sandbox test modules run it after their last test."""
-    deadline = time.monotonic() + 2  # the kernel may take a moment to reap a dying namespace
-    while _sandbox_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _sandbox_processes() == [], "sandbox processes survived the suite"
-    assert _leftover_dirs() == [], "sandbox directories survived the suite"
-    if cgroups:
-        assert _cgroup.leftovers() == [], "per-call memory cgroups survived the suite"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nothing_left_behind():
-    yield
-    assert_nothing_left_behind()
-
-
-def _isolated(result) -> bool:
-    return not any("namespaces unavailable" in n for n in result.notes)
-
-
-def _memcg(result) -> bool:
-    """Whether the call ran under a memory cgroup (else the notes say why not)."""
-    return not any("memory cgroup" in n for n in result.notes)
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only"),
+    pytest.mark.usefixtures("nothing_left_behind"),
+]
 
 
 def _run(code: str, **kwargs):
@@ -95,7 +47,7 @@ def test_fork_bomb_is_contained():
     # of wall time) or the wall clock
     assert result.limit_hit in ("timeout", "processes", "cpu")
     assert time.monotonic() - start < 5
-    assert _sandbox_processes() == []
+    assert sandbox_processes() == []
 
 
 def test_process_limit_is_enforced():
@@ -115,7 +67,7 @@ def test_process_limit_is_enforced():
     """
     result = _run(code, max_processes=8)
     assert int(result.stdout) < 8  # the script itself is one of the 8
-    assert _sandbox_processes() == []
+    assert sandbox_processes() == []
 
 
 def test_infinite_loop_hits_the_wall_clock_limit_quickly():
@@ -148,8 +100,8 @@ def test_memory_bomb_hits_the_memory_limit():
     """
     result = _run(code, memory_mb=128)
     assert result.exit_code != 0
-    assert result.limit_hit == ("memory" if _memcg(result) else None)
-    if _memcg(result):  # the kernel's OOM killer ended it, and counted the kill
+    assert result.limit_hit == ("memory" if memcg(result) else None)
+    if memcg(result):  # the kernel's OOM killer ended it, and counted the kill
         assert result.exit_code == -signal.SIGKILL and result.memory_peak_mb <= 128
     else:  # RLIMIT_AS: the allocation failed inside Python; no kernel counter reports it
         assert "MemoryError" in result.stderr
@@ -222,7 +174,7 @@ def test_world_writable_directories_are_read_only(parent_dir):
     os.chmod(shared, 0o777)
     target = os.path.join(shared, "dropped.txt")
     result = _run(f"open({target!r}, 'w').write('x')\nprint('WROTE')")
-    if not _isolated(result):
+    if not isolated(result):
         pytest.skip("no mount namespace: world-writable directories stay writable (documented)")
     assert "WROTE" not in result.stdout and not os.path.exists(target)
 
@@ -358,7 +310,7 @@ def no_namespaces(monkeypatch):
 
 def test_fallback_reports_that_it_is_weaker(no_namespaces):
     result = _run("print('hi')")
-    assert result.ok and not _isolated(result)
+    assert result.ok and not isolated(result)
 
 
 def test_fallback_blocks_python_sockets(no_namespaces):
@@ -384,7 +336,7 @@ def test_fallback_protects_the_parents_files(no_namespaces, parent_dir):
 def test_fallback_contains_a_fork_bomb(no_namespaces):
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     result = _run(bomb, timeout_s=1.5, max_processes=16)
-    assert result.limit_hit in ("timeout", "processes", "cpu") and _sandbox_processes() == []
+    assert result.limit_hit in ("timeout", "processes", "cpu") and sandbox_processes() == []
 
 
 def test_fallback_kills_escaped_children(no_namespaces):

@@ -19,16 +19,12 @@ import pytest
 
 from otbrl.tools import _cgroup, run_python, sandbox
 from otbrl.tools._launcher import _reachable
-from tests.rollout.test_sandbox_hostile import (
-    _isolated,
-    _memcg,
-    _sandbox_processes,
-    assert_nothing_left_behind,
-)
+from tests.rollout.sandbox_checks import isolated, leftover_dirs, memcg, sandbox_processes
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
-
-MARK = f"otbrl-sandbox-{os.getpid()}-"
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only"),
+    pytest.mark.usefixtures("nothing_left_behind"),
+]
 
 
 def _run(code: str, **kwargs):
@@ -38,15 +34,9 @@ def _run(code: str, **kwargs):
     return result
 
 
-def _need_memcg(result) -> None:
-    if not _memcg(result):
+def _needmemcg(result) -> None:
+    if not memcg(result):
         pytest.skip(f"no memory cgroup here: {result.notes}")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nothing_left_behind():
-    yield
-    assert_nothing_left_behind()
 
 
 @pytest.fixture
@@ -113,7 +103,7 @@ def test_host_unix_sockets_are_unreachable(host_dir):
     servers, targets = _unix_servers(host_dir)
     try:
         result = _run(CONNECT.format(targets=targets))
-        if not _isolated(result):
+        if not isolated(result):
             pytest.skip("no namespaces: covered by the seccomp fallback test below")
         assert result.stdout.count("refused") == 2 and "CONNECTED" not in result.stdout, result.stdout
     finally:
@@ -155,7 +145,7 @@ def test_only_the_interpreter_and_system_files_are_visible(host_dir):
         print("prefix", os.path.isdir(sys.prefix))
     """
     result = _run(code)
-    if not _isolated(result):
+    if not isolated(result):
         pytest.skip("no mount namespace: the host's world-readable files stay readable (documented)")
     lines = result.stdout.splitlines()
     root = set(eval(lines[0]))  # our own repr of a list of str
@@ -177,7 +167,7 @@ def test_the_new_root_is_read_only():
                 print("refused", type(e).__name__)
     """
     result = _run(code)
-    if not _isolated(result):
+    if not isolated(result):
         pytest.skip("no mount namespace")
     assert "WROTE" not in result.stdout and result.stdout.count("refused") == 4
 
@@ -255,7 +245,7 @@ def _held_mib(stdout: str) -> int:
 def test_one_memory_budget_for_the_whole_call(name, code, kwargs):
     budget = 128
     result = _run(code, memory_mb=budget, **kwargs)
-    _need_memcg(result)
+    _needmemcg(result)
     assert result.limit_hit == "memory", (name, result.to_text())
     # the kernel's count, all processes and memfd/tmpfs/shmem pages together, never passes the budget
     assert result.memory_peak_mb is not None and result.memory_peak_mb <= budget
@@ -273,20 +263,20 @@ def test_memory_kills_are_reported_even_when_a_child_dies():
         print("parent survived")
     """
     result = _run(code, memory_mb=64)
-    _need_memcg(result)
+    _needmemcg(result)
     assert result.exit_code == 0 and "parent survived" in result.stdout
     assert result.limit_hit == "memory"  # from the cgroup's OOM counter: nothing was printed about it
 
 
 def test_memory_limit_is_not_read_from_stderr_text():
     result = _run("import sys\nsys.stderr.write('MemoryError\\n')\nsys.exit(1)")
-    _need_memcg(result)
+    _needmemcg(result)
     assert result.limit_hit is None and result.exit_code == 1
 
 
 def test_a_small_call_reports_its_peak():
     result = _run("x = bytearray(40 << 20)\nprint(len(x))", memory_mb=256)
-    _need_memcg(result)
+    _needmemcg(result)
     assert result.ok and 40 <= result.memory_peak_mb < 120
 
 
@@ -325,8 +315,8 @@ def test_no_process_file_or_cgroup_is_left_behind():
     for t in threads:
         t.join()
     assert all(r.error is None for r in results), [r.error for r in results]
-    assert _sandbox_processes() == []
-    assert [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(MARK)] == []
+    assert sandbox_processes() == []
+    assert leftover_dirs() == []
     assert _cgroup.leftovers() == []
 
 
@@ -376,7 +366,7 @@ def test_extra_read_only_paths_are_shown_read_only(host_dir, monkeypatch):
             print("refused", type(e).__name__)
     """
     result = _run(code)
-    if not _isolated(result):
+    if not isolated(result):
         pytest.skip("no mount namespace")
     assert result.stdout.splitlines() == ["shared library", "refused OSError"], result.to_text()
     assert os.listdir(host_dir) == ["lib.txt"]

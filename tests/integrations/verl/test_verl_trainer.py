@@ -27,7 +27,7 @@ from otbrl.integrations.verl.trainer import (
     check_config,
     response_sum_pi_squared,
 )
-from tests.integrations.verl.test_verl_estimators import verl_batch
+from tests.integrations.verl.batches import verl_batch
 
 
 def as_dataproto(batch: dict, stats_field: str) -> DataProto:

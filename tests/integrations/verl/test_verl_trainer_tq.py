@@ -15,7 +15,7 @@ from tensordict.tensorclass import NonTensorStack
 from verl.trainer.ppo import core_algos
 
 from otbrl.integrations.verl.trainer import OTBPPOTrainerSync
-from tests.integrations.verl.test_verl_estimators import verl_batch
+from tests.integrations.verl.batches import verl_batch
 
 
 @pytest.fixture(scope="module")
