@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 from common import command_line, write_result
 
+from otbrl.app.pages import markdown_table
 from otbrl.app.recipe import load_recipe
 from otbrl.app.sources import choose_model, load_model, load_tokenizer
-from otbrl.app.studies.report import markdown_table
 from otbrl.rollout.sampler import sample
 from otbrl.tasks.chat import final_number_reward, make_rows, make_sum
 

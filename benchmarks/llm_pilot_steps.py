@@ -23,9 +23,9 @@ import torch
 from common import command_line, write_result
 from llm_pilot import Make, probe
 
+from otbrl.app.pages import markdown_table
 from otbrl.app.recipe import load_recipe
 from otbrl.app.sources import choose_model, load_model, load_tokenizer
-from otbrl.app.studies.report import markdown_table
 from otbrl.tasks.chat import make_rows
 
 

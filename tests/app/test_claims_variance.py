@@ -1,5 +1,5 @@
-"""The variance study's claims rows (variance_claims): each verdict category follows its stated rule on
-synthetic study results, and the rows state the task, K and the intervals."""
+"""The variance study's rows of claims.py: each verdict category follows its stated rule on synthetic
+study results, and the rows state the task, K and the intervals."""
 
 from __future__ import annotations
 

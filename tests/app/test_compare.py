@@ -161,6 +161,19 @@ def test_prompt_check_finds_arms_that_saw_different_prompts(tmp_path) -> None:
     assert analyse(exp, runs)["prompt_problems"] == ["seed 0: b and a differ at 1 steps (first 3)"]
 
 
+def test_prompt_check_compares_only_arms_that_draw_as_many_prompts_a_step(tmp_path) -> None:
+    # 64 samples a step: N=4 draws 16 prompts, N=32 draws 2; only same-size draws must match
+    exp = Experiment(name="t", recipe="demo", arms={"a": {}, "b": {}, "big": {}}, seeds=[0], smooth=1)
+    runs = [_fake_run(tmp_path, "a", 0, [0.1] * 3, 10, prompts=["x", "y", "z"]),
+            _fake_run(tmp_path, "b", 0, [0.1] * 3, 10, prompts=["x", "q", "z"]),
+            _fake_run(tmp_path, "big", 0, [0.1] * 3, 10, prompts=["u", "v", "w"])]  # fmt: skip
+    for run, n in zip(runs, (4, 4, 32), strict=True):
+        run.overrides.update(num_generations=n, per_device_train_batch_size=64)
+    assert analyse(exp, runs)["prompt_problems"] == ["seed 0: b and a differ at 1 steps (first 2)"]
+    runs[1].overrides.update(num_generations=32)  # now b draws 2 prompts a step, like big
+    assert analyse(exp, runs)["prompt_problems"] == ["seed 0: big and b differ at 3 steps (first 1)"]
+
+
 def test_a_collapse_and_a_surge_are_reported_by_run(tmp_path) -> None:
     exp = Experiment(name="t", recipe="demo", arms={"bad": {}}, seeds=[0], smooth=2, collapse_steps=5)
     norms = [1.0] * 12 + [50.0] + [1.0] * 17

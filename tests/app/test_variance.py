@@ -1,4 +1,4 @@
-"""otbrl variance and its parts (gradients, gradstats, variance_report): batch gradients and exact norms
+"""otbrl variance and its parts (variance, gradstats, variance_page): batch gradients and exact norms
 against per-token float64 autograd on left-padded rollouts, the Gram-matrix statistics against direct
 formulas, and `otbrl variance --quick` end to end."""
 

@@ -198,14 +198,16 @@ def _arm_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def prompt_check(per_arm: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Steps at which two arms of one seed scored different prompts (empty: the protocol held). Arms
-    with different prompts per step cannot match and are not compared."""
+    """Steps at which two arms of one seed that draw as many prompts a step scored different prompts
+    (empty: the protocol held). Arms that draw different numbers of prompts a step (N=32 taking 2
+    prompts where N=4 takes 16, for the same samples a step) see different prompts by design and are
+    not checked against each other."""
     problems = []
-    by_seed: dict[int, list[tuple[str, list]]] = {}
+    by_seed: dict[tuple[int, Any], list[tuple[str, list]]] = {}
     for arm, runs in per_arm.items():
         for r in runs:
-            by_seed.setdefault(r["seed"], []).append((arm, r["prompts"]))
-    for seed, arms in sorted(by_seed.items()):
+            by_seed.setdefault((r["seed"], r.get("prompts_per_step")), []).append((arm, r["prompts"]))
+    for (seed, _), arms in sorted(by_seed.items(), key=lambda item: (item[0][0], str(item[0][1]))):
         (first, ref), *rest = arms
         for arm, digests in rest:
             bad = [i + 1 for i, (a, b) in enumerate(zip(ref, digests, strict=False)) if a and b and a != b]
@@ -282,7 +284,12 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
             stamps["unstamped"] = stamps.get("unstamped", 0) + 1
         else:
             continue
-        per_arm.setdefault(run.arm, []).append(analyse_rows(rows, summary, exp, run.seed, batch))
+        result = analyse_rows(rows, summary, exp, run.seed, batch)
+        n = run.overrides.get("num_generations")
+        result["prompts_per_step"] = (
+            batch // int(n) if n and "per_device_train_batch_size" in run.overrides else None
+        )
+        per_arm.setdefault(run.arm, []).append(result)
     return {
         "arms": {arm: _arm_stats(results) for arm, results in per_arm.items()},
         "runs": per_arm,
