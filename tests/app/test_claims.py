@@ -202,7 +202,9 @@ def test_the_readme_evidence_section_is_claims_md(tmp_path) -> None:
     sync_readme(readme, page)
     text = readme.read_text()
     assert "old text" not in text and text.endswith(f"{END}\n\n## Next\n")
-    assert f"[walk.md]({tmp_path.name}/walk.md)" in text and "| claim OTB vs GRPO, N=4 |" in text
+    # the headline: each claim with its experiment and verdict word, linked to claims.md for the rest
+    assert f"[claims.md]({tmp_path.name}/claims.md)" in text and "| claim OTB vs GRPO, N=4 | `walk` | **" in text
+    assert "rule:" not in text.split(BEGIN)[1]  # the rules and measurements stay in claims.md
     assert text.split(BEGIN)[1].split(END)[0].strip() == readme_block(page, readme)
     readme.write_text("# no markers\n")
     with pytest.raises(ValueError, match="no evidence section markers"):

@@ -589,10 +589,28 @@ BEGIN, END = "<!-- claims.md begins: written by `otbrl claims --readme` -->", "<
 
 
 def readme_block(claims_md: Path, readme: Path) -> str:
-    """claims.md without its title, links made relative to the README's folder."""
-    body = claims_md.read_text().split("\n", 1)[1].strip()
+    """The README's headline of claims.md: each claim with its verdict, then claims.md's protocol changes
+    and what is not run yet. The measurements, rules and intervals stay in claims.md, linked."""
     prefix = os.path.relpath(claims_md.parent, readme.parent).replace(os.sep, "/")
-    return re.sub(r"\]\(([\w.-]+\.(?:md|png))\)", lambda m: f"]({prefix}/{m.group(1)})", body)
+    rows, keep, keeping = [], [], False
+    for line in claims_md.read_text().splitlines()[1:]:
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")] if line.startswith("| ") else []
+        if len(cells) == 4 and cells[0] != "claim" and not set(cells[0]) <= set("-"):
+            verdict = re.match(r"\*\*([^*]+)\*\*|([^:(]+)", cells[2])
+            where = re.search(r"--task (\S+)|compare (\S+?)`", cells[3])
+            rows.append([cells[0], f"`{where[1] or where[2]}`" if where else "—",
+                         f"**{(verdict[1] or verdict[2]).strip()}**" if verdict else cells[2]])  # fmt: skip
+        keeping = line.startswith(("**Protocol changes", "Not run yet", "Superseded")) or (
+            keeping and (line.startswith("- ") or line == "")
+        )
+        if keeping or (line == "" and keep and keep[-1] != ""):
+            keep.append(line)
+    body = "\n".join(
+        [markdown_table(["claim", "experiment", "verdict"], rows, aligned=False), "",
+         f"Measurements, verdict rules and intervals: [claims.md]({prefix}/claims.md).", "",
+         *keep]
+    )  # fmt: skip
+    return re.sub(r"\]\(([\w.-]+\.(?:md|png))\)", lambda m: f"]({prefix}/{m.group(1)})", body).strip()
 
 
 def sync_readme(readme: Path, claims_md: Path) -> None:
