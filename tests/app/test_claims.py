@@ -203,7 +203,8 @@ def test_the_readme_evidence_section_is_claims_md(tmp_path) -> None:
     text = readme.read_text()
     assert "old text" not in text and text.endswith(f"{END}\n\n## Next\n")
     # the headline: each claim with its experiment and verdict word, linked to claims.md for the rest
-    assert f"[claims.md]({tmp_path.name}/claims.md)" in text and "| claim OTB vs GRPO, N=4 | `walk` | **" in text
+    assert f"[claims.md]({tmp_path.name}/claims.md)" in text
+    assert "| claim OTB vs GRPO, N=4 | `walk` | **" in text
     assert "rule:" not in text.split(BEGIN)[1]  # the rules and measurements stay in claims.md
     assert text.split(BEGIN)[1].split(END)[0].strip() == readme_block(page, readme)
     readme.write_text("# no markers\n")
