@@ -41,8 +41,8 @@ def main() -> None:
     rows = read_metrics(run / "metrics.jsonl")
     with gzip.open(RESULTS / f"{name}.metrics.jsonl.gz", "wt") as f:
         f.write((run / "metrics.jsonl").read_text())
-    plot_curves(run / "metrics.jsonl", RESULTS / f"{name}.png",
-                title=f"{summary['estimator']}, N={summary['group size N']}: {name}")  # fmt: skip
+    title = f"{summary['estimator']}, N={summary['group size N']}: {name}"
+    plot_curves(run / "metrics.jsonl", RESULTS / f"{name}.png", title, summary["held-out reward before"])
     held = [(r["generated_tokens"], r["heldout_reward"]) for r in rows if r.get("heldout_reward") is not None]
     lengths = [r["completions/mean_length"] for r in rows if "completions/mean_length" in r]
     gain = summary["held-out reward after"] - summary["held-out reward before"]

@@ -40,10 +40,11 @@ def save(fig: Any, path: Path, dpi: int, tight: bool = True, **options: Any) -> 
     pyplot().close(fig)
 
 
-def plot_curves(metrics: Path, png: Path, title: str = "") -> None:
+def plot_curves(metrics: Path, png: Path, title: str = "", before: float | None = None) -> None:
     """One run against generated tokens: train reward (per step and a trailing 10-step mean) with the
-    held-out evaluations, completion length (mean, and the within-group length CV where logged), and the
-    gradient norm with red lines where a surge was flagged."""
+    held-out evaluations (`before`: the one before training, drawn at 0 tokens), completion length (mean,
+    and the within-group length CV where logged), and the gradient norm with red lines where a surge was
+    flagged."""
     plt = pyplot()
     rows = read_metrics(metrics)
     rewarded = [r for r in rows if "reward" in r]
@@ -52,10 +53,10 @@ def plot_curves(metrics: Path, png: Path, title: str = "") -> None:
     top.plot(tokens, [r["reward"] for r in rewarded], lw=1, alpha=0.4, label="per step")
     smooth = moving_average([r["reward"] for r in rewarded], 10, centred=False)
     top.plot(tokens[: len(smooth)], smooth, lw=2, label="moving average (10 steps)")
-    held = [r for r in rows if r.get("heldout_reward") is not None]
+    held = [(r["generated_tokens"], r["heldout_reward"]) for r in rows if r.get("heldout_reward") is not None]
+    held = ([(0.0, before)] if before is not None else []) + held
     if held:
-        top.plot([r["generated_tokens"] for r in held], [r["heldout_reward"] for r in held], "ko-",
-                 label="held-out")  # fmt: skip
+        top.plot(*zip(*held, strict=True), "ko-", label="held-out")
     top.set_ylabel("reward")
     top.legend(loc="lower right")
     top.set_title(title)

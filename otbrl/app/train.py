@@ -182,7 +182,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if recipe["plot"]:
         plot_curves(
-            metrics, out / "curves.png", title=f"{config.advantage_estimator}, N={config.num_generations}"
+            metrics, out / "curves.png", f"{config.advantage_estimator}, N={config.num_generations}", before
         )
     return summary
 
