@@ -119,7 +119,10 @@ def test_write_claims_reports_what_is_missing(tmp_path) -> None:
     (tmp_path / "walk.json").write_text(json.dumps(_walk_result()))
     text = write_claims(tmp_path).read_text()
     assert "| (a) OTB lowers" in text and "| claim OTB vs GRPO, N=4 |" in text
-    assert "Not run yet: ladder, tir, variance-walk, walk2." in text
+    assert "Not run yet: ladder, smollm2, tir, variance-walk, walk3." in text
+    assert "Stopped at the pilot" not in text  # no walk2-pilot.md here
+    (tmp_path / "walk2-pilot.md").write_text("# walk2 pilot\n")
+    assert "Stopped at the pilot: `walk2` (its pilot failed" in write_claims(tmp_path).read_text()
     assert "[walk.md](walk.md)" in text and "[tir.md]" not in text
     # a result without a registration is flagged as legacy, with its held-out overlap computed
     assert "**Legacy result**" in text and "of its held-out prompts were also training prompts" in text
