@@ -531,6 +531,7 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         out = fn(study)
         rows.extend(out if isinstance(out, list) else [out])
 
+    add(smollm2, "smollm2", lambda r: comparison_rows(r, "smollm2"))  # the real model: read first
     add(var, "variance", variance_claim)
     add(var_walk, "variance-walk", variance_claim)
     add(var, "variance", proxy_claim)
@@ -540,7 +541,6 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
     add(walk3, "walk3", lambda r: comparison_rows(r, "walk3"))
     add(ladder, "ladder", stability_row)
     add(tir, "tir", lambda r: comparison_rows(r, "tir"))
-    add(smollm2, "smollm2", lambda r: comparison_rows(r, "smollm2"))
     add(ladder, "ladder", lr_decay_row)
     if var is not None:
         rows.append(loo_question(var))
