@@ -119,7 +119,7 @@ def test_write_claims_reports_what_is_missing(tmp_path) -> None:
     (tmp_path / "walk.json").write_text(json.dumps(_walk_result()))
     text = write_claims(tmp_path).read_text()
     assert "| (a) OTB lowers" in text and "| claim OTB vs GRPO, N=4 |" in text
-    assert "Not run yet: ladder, smollm2, tir, variance-walk, walk3." in text
+    assert "Not run yet: ladder, smollm2, tir, tir2, variance-walk, walk3." in text
     assert "Stopped at the pilot" not in text  # no walk2-pilot.md here
     (tmp_path / "walk2-pilot.md").write_text("# walk2 pilot\n")
     assert "Stopped at the pilot: `walk2` (its pilot failed" in write_claims(tmp_path).read_text()

@@ -475,13 +475,14 @@ STUDIES = {  # results JSON -> the command that writes it
     "walk3": "otbrl compare walk3",
     "ladder": "otbrl compare ladder",
     "tir": "otbrl compare tir",
+    "tir2": "otbrl compare tir2",
     "smollm2": "otbrl compare smollm2",
 }
 
 
 # an experiment -> the one that replaces it: once the successor has results, the old rows move to the
 # superseded list (the old page stays, and says why)
-SUCCESSORS = {"walk": "walk3"}
+SUCCESSORS = {"walk": "walk3", "tir": "tir2"}
 # designs that never reached their reported runs: their pilot pages say why
 STOPPED_AT_PILOT = {
     "walk2": "its pilot failed the must-learn gate (GRPO N=32 +0.125 < 0.15); walk3 replaces it",
@@ -517,10 +518,8 @@ def _load_json(path: Path) -> dict[str, Any] | None:
 
 
 def write_claims(results: Path = Path("docs/results")) -> Path:
-    var, var_walk, walk, walk3, ladder, tir, smollm2 = (_load(results, n) for n in STUDIES)
+    var, var_walk, walk, walk3, ladder, tir, tir2, smollm2 = (_load(results, n) for n in STUDIES)
     superseded = [old for old, new in SUCCESSORS.items() if _load(results, new) is not None]
-    if "walk" in superseded:
-        walk = None
     rows: list[Row] = []
     missing: list[str] = []
 
@@ -540,7 +539,9 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         add(walk, "walk", lambda r: comparison_rows(r, "walk"))
     add(walk3, "walk3", lambda r: comparison_rows(r, "walk3"))
     add(ladder, "ladder", stability_row)
-    add(tir, "tir", lambda r: comparison_rows(r, "tir"))
+    if "tir" not in superseded:
+        add(tir, "tir", lambda r: comparison_rows(r, "tir"))
+    add(tir2, "tir2", lambda r: comparison_rows(r, "tir2"))
     add(ladder, "ladder", lr_decay_row)
     if var is not None:
         rows.append(loo_question(var))
