@@ -265,3 +265,29 @@ def test_the_ladder_table_shows_censored_runs_beside_collapses() -> None:
     arm = {"seed_list": [0, 1, 2], "collapses": [None, 14, None], "censored": [True, False, False],
            "surges": 0, "clip_fraction": [0.0, 0.0, 0.0]}  # fmt: skip
     assert "| otb-N4 | 1/3 (+1 censored) |" in ladder_table({"otb-N4@0.0002": arm})
+
+
+def test_the_ladder_table_shows_the_held_out_reward_at_the_end_of_each_rung() -> None:
+    from otbrl.app.studies.outcomes import ladder_table
+
+    def arm(held: list[float]) -> dict:
+        return {"seed_list": [0, 1], "collapses": [None, None], "censored": [False, False], "surges": 0,
+                "clip_fraction": [0.0, 0.0], "held_out": held}  # fmt: skip
+
+    text = ladder_table({"otb-N4@0.0001": arm([0.5, 0.3]), "otb-N4@0.0002": arm([float("nan"), 0.1])})
+    assert "held-out at the end @ lr 0.0001 | held-out at the end @ lr 0.0002 |" in text
+    assert "| otb-N4 | 0/2 | 0/2 | 0.400 | 0.100 | none collapsed |" in text  # NaN: a run never scored
+
+
+def test_a_step_bounded_experiment_reports_the_held_out_reward_at_the_end() -> None:
+    from otbrl.app.studies.compare import table
+    from otbrl.app.studies.experiment import load_experiment
+
+    exp = load_experiment("ladder")
+    stats = {"seeds": 2, "heldout": {0: [0.3, 0.4]}, "held_out": [0.25, 0.35], "to_threshold": {},
+             "final": [0.2, 0.2], "total_tokens": [1.0, 1.0], "steps_run": [80, 80],
+             "train_seconds": [1, 1], "clip_fraction": [0.0, 0.0], "surges": 0, "collapses": [None, None],
+             "censored": [False, False]}  # fmt: skip
+    text = table(exp, {"arms": {"otb-N4@0.0001": stats}})
+    assert "| held-out @0 (start) | held-out at the end |" in text
+    assert "| otb-N4@0.0001 | 2 | 0.350 ± 0.071 | 0.300 ± 0.071 |" in text

@@ -83,7 +83,10 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
     tokens, steps and train seconds (the energy pass included), clipped fraction, surges, collapses
     (mean ± SD over seeds: `SD_NOTE` says so under it)."""
     budgets = sorted({b for s in result["arms"].values() for b in s["heldout"]})
+    # runs bounded by steps, not tokens (the ladder), are scored once more at their end
+    end = not any(budgets) and any(v == v for s in result["arms"].values() for v in s.get("held_out", []))
     head = ["arm", "seeds", *(f"held-out @{_k(b)}" if b else "held-out @0 (start)" for b in budgets),
+            *(["held-out at the end"] if end else []),
             *(f"tokens to {th:g} (reached)" for th in exp.thresholds),
             "final train reward", "length CV (run)", "tokens", "steps", "train s", "clipped", "surges",
             "collapsed (step)", "censored"]  # fmt: skip
@@ -94,7 +97,8 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
             for ts in (s["to_threshold"][th] for th in exp.thresholds)
         ]
         rows.append([
-            arm, s["seeds"], *(mean_sd(s["heldout"].get(b, [])) for b in budgets), *reach,
+            arm, s["seeds"], *(mean_sd(s["heldout"].get(b, [])) for b in budgets),
+            *([mean_sd(s["held_out"])] if end else []), *reach,
             mean_sd(s["final"]), mean_sd(s.get("length_cv_run", [])), mean_sd(s["total_tokens"]),
             _whole(s["steps_run"]), _whole(s["train_seconds"]), mean_sd(s["clip_fraction"]), s["surges"],
             _collapsed(s), f"{sum(s.get('censored', []))}/{s['seeds']}",

@@ -363,9 +363,17 @@ def stability_verdict(arms: dict[str, Any], candidate: str, baselines: list[str]
     return combine([verdict("better", ci) for _, ci in intervals]), intervals
 
 
+def _end_heldout(stats: dict[str, Any]) -> str:
+    """Mean held-out reward at the end of the runs (their summaries'), '—' where none was scored."""
+    values = [v for v in stats.get("held_out", []) if v is not None and v == v]
+    return f"{statistics.fmean(values):.3f}" if values else "—"
+
+
 def ladder_table(arms: dict[str, Any]) -> str:
     """One row per estimator: collapsed seeds at each rung (and censored ones: below the collapse level at
-    the end, too late to count), the critical learning rate, surges, clipped share of steps."""
+    the end, too late to count), the mean held-out reward at the end of each rung's runs (a collapse
+    count alone hides a run that ended low without collapsing), the critical learning rate, surges,
+    clipped share of steps."""
     table = cells(arms)
     rates = sorted({lr for rungs in table.values() for lr in rungs})
     rows = []
@@ -377,14 +385,18 @@ def ladder_table(arms: dict[str, Any]) -> str:
                if split(arm)[0] == base}  # fmt: skip
         cell = {lr: f"{sum(seeds.values())}/{len(seeds)}" + (f" (+{low[lr]} censored)" if low.get(lr) else "")
                 for lr, seeds in rungs.items()}  # fmt: skip
+        held = {split(arm)[1]: _end_heldout(stats) for arm, stats in arms.items() if split(arm)[0] == base}
         rows.append([
             base,
             *(cell.get(lr, "—") for lr in rates),
+            *(held.get(lr, "—") for lr in rates),
             "none collapsed" if crit is None else f"{crit:g}",
             sum(s["surges"] for s in mine),
             f"{statistics.fmean(clip):.2f}" if clip else "—",
         ])  # fmt: skip
-    head = ["arm", *(f"collapsed @ lr {lr:g}" for lr in rates), "critical lr", "surges", "clipped"]
+    head = ["arm", *(f"collapsed @ lr {lr:g}" for lr in rates),
+            *(f"held-out at the end @ lr {lr:g}" for lr in rates),
+            "critical lr", "surges", "clipped"]  # fmt: skip
     return markdown_table(head, rows, aligned=False)
 
 
