@@ -20,6 +20,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from otbrl.app.answers import completion_text, get_reward
 from otbrl.app.callbacks import PromptLedger, TokenBudgets, metrics_callback, progress_callback
+from otbrl.app.heldout_cache import before_key, cache_folder, cached_score
 from otbrl.app.metrics import read_metrics
 from otbrl.app.plots import plot_curves
 from otbrl.app.recipe import check_recipe
@@ -151,9 +152,18 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
                 recipe["seed"], tools, max_turns,
             )  # fmt: skip
 
-    before = evaluate_now() if recipe["eval_before"] else None
+    before, reused = None, False
+    if recipe["eval_before"]:
+        settings = {"max_new_tokens": config.max_completion_length, "temperature": config.temperature,
+                    "seed": recipe["seed"], "tools": list(tools), "max_turns": max_turns,
+                    "bf16": bool(config.bf16), "fp16": bool(config.fp16), "reward": recipe["reward"],
+                    "task": recipe["task"]}  # fmt: skip
+        folder = cache_folder()
+        key = before_key(model, tokenizer, eval_rows, settings) if folder is not None else ""
+        before, reused = cached_score(folder, key, evaluate_now)
     if before is not None:
-        log(f"held-out reward before training: {before:.3f} ({len(eval_rows)} prompts)")
+        same = ", reused: an earlier run's with the same model, prompts and seed" if reused else ""
+        log(f"held-out reward before training: {before:.3f} ({len(eval_rows)} prompts{same})")
     trainer = OTBGRPOTrainer(
         model=model,
         reward_funcs=reward,

@@ -306,6 +306,13 @@ def test_quick_mode_end_to_end(tmp_path, name) -> None:
         assert all(math.isfinite(x) for x in stats["final"] + stats["held_out"])
         assert all(t > 0 for t in stats["total_tokens"])
     assert numbers["prompt_problems"] == []  # every arm of the seed saw the same prompts
+    starts = {json.dumps(stats["heldout"].get("0")) for stats in numbers["arms"].values()}
+    shared = list((tmp_path / "runs" / ".heldout-before").glob("*.json"))
+    if exp.common.get("eval_before", True) and "0" in next(iter(numbers["arms"].values()))["heldout"]:
+        # one model, prompts and seed: one step-0 score, computed once (or by both runs of a race)
+        assert len(starts) == 1 and len(shared) == 1
+    else:
+        assert shared == []
     if name == experiment_names()[0]:  # resuming: finished runs are kept, not redone
         compare(
             name, quick=True, jobs=2, runs_dir=tmp_path / "runs", results=tmp_path / "out", log=lines.append

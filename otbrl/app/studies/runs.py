@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from otbrl.app.heldout_cache import ENV as HELDOUT_CACHE_ENV
 from otbrl.app.metrics import read_metrics
 from otbrl.app.pages import read_record, write_record
 
@@ -208,14 +209,17 @@ def has_record(run: Run, records: Path | None) -> bool:
     return path.is_file() and read_record(path)["overrides"] == comparable(run.overrides)
 
 
-def _train(recipe: str, run: Run) -> tuple[int, str]:
-    """Run `otbrl train` for one run in its own process, its output in the run's train.log.
+def _train(recipe: str, run: Run, heldout_cache: Path | None = None) -> tuple[int, str]:
+    """Run `otbrl train` for one run in its own process, its output in the run's train.log; runs given
+    the same `heldout_cache` folder share step-0 held-out scores that would be equal (`heldout_cache`).
     Returns (exit code, a line that says why it failed, or "")."""
     run.dir.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "otbrl.app.cli", "train", "--config", recipe]
     for key, value in run.overrides.items():
         args += [f"--{key}", json.dumps(value) if isinstance(value, dict | list | bool) else str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": str(run.overrides["threads"])}
+    if heldout_cache is not None:
+        env[HELDOUT_CACHE_ENV] = str(heldout_cache)
     log_path = run.dir / "train.log"
     with log_path.open("w") as out:
         code = subprocess.call(args, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -258,13 +262,16 @@ def execute(
     failures: list[str] = []
     bar = tqdm(total=len(todo), desc=f"{name} runs", unit="run") if tqdm is not None else None
 
+    # the arms of a seed start from one model and score the same prompts: one step-0 score for them all
+    shared = Path(os.path.commonpath([str(r.dir) for r in todo])) / ".heldout-before" if todo else None
+
     def one(run: Run) -> None:
         start = time.perf_counter()
         run.dir.mkdir(parents=True, exist_ok=True)
         started = run.dir / "started.json"  # a resumed run keeps the stamp and time it first started under
         if not started.is_file():
             started.write_text(json.dumps({"protocol": stamp or {}, "started": now()}))
-        code, failure = _train(recipe, run)
+        code, failure = _train(recipe, run, shared)
         if failure:
             failures.append(failure)
         else:
