@@ -167,6 +167,42 @@ def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> 
     save(fig, png, dpi=100)
 
 
+def plot_pilot(curves: dict[str, dict[float, dict[str, list[tuple[float, float]]]]], png: Path, title: str,
+               gates: dict[str, tuple[float, float]] | None = None) -> None:  # fmt: skip
+    """A learning-rate pilot, one column per arm: held-out reward against generated tokens (top; step 0
+    included) and train reward (trailing mean, bottom), one line per learning rate. `curves`: {arm: {lr:
+    {"heldout": [(tokens, reward)], "train": [(tokens, reward)]}}}; `gates`: {arm: (pick, level)} draws
+    the level the arm's pick must reach (held-out at step 0 plus the gate's gain) as a dotted line."""
+    plt = pyplot()
+    arms = list(curves)
+    fig, axes = plt.subplots(2, len(arms), figsize=(4.2 * len(arms), 7), sharey="row", squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    rates = sorted({lr for by_lr in curves.values() for lr in by_lr})
+    for col, arm in enumerate(arms):
+        top, bottom = axes[0][col], axes[1][col]
+        for lr, series in sorted(curves[arm].items()):
+            i = rates.index(lr)
+            style = {"color": colours[i % len(colours)], "ls": STYLES[i % len(STYLES)]}
+            pick = gates is not None and arm in gates and gates[arm][0] == lr
+            label = f"lr {lr:g}" + (" (pick)" if pick else "")
+            if series["heldout"]:
+                top.plot(*zip(*series["heldout"], strict=True), marker=MARKERS[i % len(MARKERS)], label=label,
+                         lw=2.5 if pick else 1.2, **style)  # fmt: skip
+            if series["train"]:
+                bottom.plot(*zip(*series["train"], strict=True), lw=1.5 if pick else 0.9, **style)
+        if gates is not None and arm in gates:
+            top.axhline(gates[arm][1], color="k", ls=":", lw=1, label="gate at the pick")
+        top.set_title(arm, fontsize=10)
+        top.set(xlabel="generated tokens", ylabel="held-out reward" if col == 0 else None)
+        bottom.set(xlabel="generated tokens", ylabel="train reward (trailing mean)" if col == 0 else None)
+        for ax in (top, bottom):
+            ax.grid(True, alpha=0.3)
+            ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 3))
+        top.legend(fontsize=8, loc="best")
+    fig.suptitle(textwrap.fill(title, 150), fontsize=10)
+    save(fig, png, dpi=90)
+
+
 # Estimators whose curves coincide (dr_grpo and rloo have equal noise-to-signal; grpo and opo lie close)
 # get distinct markers and dashes, and a small sideways shift, so every one stays visible.
 _STYLES = {

@@ -211,6 +211,20 @@ def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
     assert picks == {"a": 1e-4, "b": 2e-4} and "**Every arm passed.**" in text
     assert "| a | +0.080 | +0.000 |" in text and "| b | +0.200 | +0.160 |" in text  # every run's gain
     assert "| a | 0.435 | 0.435 |" in text  # whole-run length CV: mean of 0.40 .. 0.47
+    assert "![held-out and train reward of every pilot run](g-pilot.png)" in text
+    assert (results / "g-pilot.png").stat().st_size > 10_000
+    from otbrl.app.studies.compare import pilot_curves
+
+    curves, levels = pilot_curves(exp, pilot_plan(exp, tmp_path / "runs"), records, picks)
+    assert levels == {"a": (1e-4, pytest.approx(0.35)), "b": (2e-4, pytest.approx(0.45))}  # step 0 + gain
+    assert curves["b"][2e-4]["heldout"] == [(0.0, 0.3)] and len(curves["b"][2e-4]["train"]) == 8
+    old = {"arm": "b@0.0002", "seed": 100, "summary": {"held-out reward before": 0.3, "steps": 9,
+           "held-out reward after": 0.25, "generated tokens": 12000}}  # fmt: skip
+    write_record(records / "superseded" / "amendment-1" / "b@0.0002" / "seed100.json.gz", old)
+    text = pilot_page(exp, pilot_plan(exp, tmp_path / "runs"), results, "cmd", log=lambda _: None,
+                      records=records)[0].read_text()  # fmt: skip
+    assert "- amendment-1: `b@0.0002` seed 100, held-out 0.300 → 0.250 (-0.050), 9 steps, 12k tokens" in text
+    assert "**Every arm passed.**" in text  # the set-aside run is not read by the gate
     path.write_text(path.read_text().replace("b: {learning_rate: 2.0e-4}", "b: {learning_rate: 1.0e-4}"))
     assert gate_problems(load_experiment(str(path)), results) == [
         "b: the YAML's learning_rate is 0.0001, the pilot picked 0.0002"]  # fmt: skip

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from otbrl.app.metrics import read_metrics
+from otbrl.app.metrics import moving_average, read_metrics
 from otbrl.app.pages import markdown_table, mean_sd, read_record
-from otbrl.app.plots import plot_arms, plot_figure
+from otbrl.app.plots import plot_arms, plot_figure, plot_pilot
 from otbrl.app.recipe import load_recipe
 from otbrl.app.studies.experiment import (
     Experiment,
@@ -415,6 +415,51 @@ def pilot_grids(exp: Experiment, runs: list[Run], records: Path | None
     return gains, cvs
 
 
+def pilot_curves(exp: Experiment, runs: list[Run], records: Path | None, picks: dict[str, float]
+                 ) -> tuple[dict[str, Any], dict[str, tuple[float, float]]]:  # fmt: skip
+    """What `plots.plot_pilot` draws: per arm and rate, held-out reward at step 0 and at each budget, and
+    the trailing mean of train reward (over a quarter of the run's steps, as the pick rule reads it),
+    against generated tokens; and per picked arm the held-out level its gate asks for."""
+    gate = (exp.pilot or {}).get("gate")
+    curves: dict[str, Any] = {}
+    gates: dict[str, tuple[float, float]] = {}
+    for r in runs:
+        d = _run_data(r, records)
+        if d is None:
+            continue
+        rows, summary = d
+        arm, lr = r.arm.rpartition("@")[0], float(r.overrides["learning_rate"])
+        before = summary.get("held-out reward before")
+        held = [(0.0, before)] if before is not None else []
+        held += [(row["generated_tokens"], row["heldout_reward"]) for row in rows
+                 if row.get("heldout_budgets")]  # fmt: skip
+        rewarded = [row for row in rows if "reward" in row]
+        w = max(1, len(rewarded) // 4)
+        smooth = moving_average([row["reward"] for row in rewarded], w, centred=False)
+        train = [(row["generated_tokens"], s) for row, s in zip(rewarded, smooth, strict=False)]
+        curves.setdefault(arm, {})[lr] = {"heldout": held, "train": train}
+        if gate is not None and picks.get(arm) == lr and before is not None:
+            gates[arm] = (lr, before + float((gate.get("arms") or {}).get(arm, gate["heldout_gain"])))
+    return {a: curves[a] for a in exp.arms if a in curves}, gates
+
+
+def superseded_text(folder: Path) -> str:
+    """The runs an amendment set aside (`<folder>/<amendment>/<arm>/seed<k>.json.gz`): kept, not read by
+    the picks or the gate, listed with their held-out reward so the reason for the amendment stays
+    checkable."""
+    lines = []
+    for path in sorted(folder.glob("*/*/seed*.json.gz")):
+        rec = read_record(path)
+        s = rec["summary"]
+        lines.append(f"- {path.parent.parent.name}: `{rec['arm']}` seed {rec['seed']}, held-out "
+                     f"{_fmt(s.get('held-out reward before'))} → {_fmt(s.get('held-out reward after'))} "
+                     f"({_fmt(_gain(s), sign=True)}), {s.get('steps')} steps, "
+                     f"{s.get('generated tokens', 0) / 1000:.0f}k tokens")  # fmt: skip
+    head = (f"Runs set aside by an amendment (their design changed; kept under `{folder.as_posix()}/` for "
+            "audit, not read by the picks or the gate):")  # fmt: skip
+    return head + "\n\n" + "\n".join(lines)
+
+
 def _fmt(value: float | None, sign: bool = False) -> str:
     return "—" if value is None else (f"{value:+.3f}" if sign else f"{value:.3f}")
 
@@ -579,6 +624,15 @@ def pilot_page(exp: Experiment, runs: list[Any], results: Path, command: str, lo
             "`otbrl.app.studies.inference`). The YAML's `power.seeds` must be at least the largest.\n\n"
             + markdown_table(["comparison", "kind", "primary budget", "seeds", "differences", "SD",
                               "SD planned", "floor", "δ", "seeds needed"], prow, aligned=False))  # fmt: skip
+    if records is not None and (records / "superseded").is_dir():
+        parts.append(superseded_text(records / "superseded"))
+    curves, gates = pilot_curves(exp, runs, records, picks)  # the pilot seed only: one line per rate
+    if curves:
+        png = results / f"{exp.name}-pilot.png"
+        title = (f"Pilot of {exp.name} (seed {exp.pilot['seed']}): held-out and train reward per learning "
+                 "rate; dotted: the level the gate asks of each arm's pick")  # fmt: skip
+        plot_pilot(curves, png, title, gates)
+        parts.insert(4, f"![held-out and train reward of every pilot run]({png.name})")
     page.write_text("\n\n".join(parts) + "\n")
     log(grid)
     return page, picks
