@@ -69,7 +69,7 @@ def test_protocol_is_registered_once_and_a_change_needs_an_amendment(tmp_path) -
 
 
 def _fake_train(calls: list[str]):
-    def train(recipe: str, run: runs.Run) -> tuple[int, str]:
+    def train(recipe: str, run: runs.Run, heldout_cache: Path | None = None) -> tuple[int, str]:
         calls.append(f"{run.arm}/{run.seed}")
         run.dir.mkdir(parents=True, exist_ok=True)
         rng = random.Random(f"{run.arm}{run.seed}")
