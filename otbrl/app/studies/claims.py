@@ -148,6 +148,15 @@ LEGACY = {
 }
 
 
+# Experiments rerun from scratch under a registered protocol that was itself chosen after earlier results
+# had been seen: the rerun's runs are clean, the choice of its design is not.
+RERUN_OF_LEGACY = {
+    "ladder": "rerun in full (66 runs) under its registered protocol, whose seeds, arms and LR-decay verdict "
+    "rule were set in the commits that brought the legacy results (08a449c, d0c4983): its design was chosen "
+    "after those results were seen, its runs were not",
+}
+
+
 def heldout_overlap(task: str, train_size: int, eval_size: int, seeds: list[int]) -> float:
     """The share of held-out prompts that were also training prompts, as results made before the hash
     split drew them (`dataset` without a split: eval seed + 1), mean over `seeds`."""
@@ -501,6 +510,8 @@ def protocol_changes(results: Path) -> list[str]:
         if reg is None:
             lines.append(f"- `{name}`: made before protocols were registered; " + LEGACY.get(name, "see git"))
             continue
+        if name in RERUN_OF_LEGACY:
+            lines.append(f"- `{name}`: {RERUN_OF_LEGACY[name]}")
         for a in reg.get("amendments", []):
             lines.append(f"- `{name}`: amended at {a['at']} (keys {', '.join(a['changed'])}): {a['reason']}")
         if reg.get("committed") is False:
