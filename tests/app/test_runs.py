@@ -125,8 +125,27 @@ def test_primary_endpoint_alone_decides_and_secondaries_cannot_veto(tmp_path) ->
     assert primary["primary"] and not secondary["primary"]
     assert primary["verdict"] == "held" and secondary["verdict"] == "inconclusive"
     assert c["verdict"] == "held"  # without `primary`, the inconclusive @200 would make it inconclusive
+    assert c["interim"] == ""  # every planned seed paired up
     del comparisons[0]["primary"]
     assert compare_arms(exp, comparisons[0], per_arm)["verdict"] == "inconclusive"
+
+
+def test_a_verdict_before_every_planned_seed_has_run_says_it_is_interim() -> None:
+    from otbrl.app.studies.compare import comparisons_table
+    from otbrl.app.studies.outcomes import compare_arms
+
+    spec = {"name": "c", "kind": "better", "candidate": "a", "baseline": "b", "budgets": [400],
+            "primary": 400}  # fmt: skip
+    exp = Experiment(name="t", recipe="demo", arms={"a": {}, "b": {"seeds": [0, 1, 2, 3]}}, smooth=1,
+                     seeds=[0, 1, 2, 3, 4, 5], comparisons=[spec])  # fmt: skip
+    per_arm: dict = {}
+    for seed in range(3):  # 3 of the 4 seeds both arms run
+        for arm, h in (("a", 0.5 + 0.01 * seed), ("b", 0.3)):
+            rows = _rows([0.3] * 5, heldout={400: h})
+            per_arm.setdefault(arm, []).append(analyse_rows(rows, {}, exp, seed))
+    c = compare_arms(exp, spec, per_arm)
+    assert c["verdict"] == "held" and c["interim"] == "interim: 3 of 4 planned seeds"
+    assert "| **held** (interim: 3 of 4 planned seeds) |" in comparisons_table({"comparisons": [c]})
 
 
 def test_a_run_that_ends_below_the_collapse_level_is_censored_not_counted(tmp_path) -> None:

@@ -119,6 +119,8 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
         result = c["verdict"]
         if missing:
             result, decides = NOT_TESTED, f"{decides}; not tested: {missing}"
+        if c.get("interim"):  # in the bold verdict, so the README's headline carries it too
+            result = f"{result}, {c['interim']}"
         rows.append((c.get("claim", c["name"]), measured, f"**{result}** (rule: {why}; {decides})",
                      f"`otbrl compare {experiment}`"))  # fmt: skip
     return rows

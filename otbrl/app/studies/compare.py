@@ -122,7 +122,8 @@ def comparisons_table(result: dict[str, Any]) -> str:
                         + (" (secondary)" if "primary" in c else ""))  # fmt: skip
             rows.append([c["name"], endpoint, t["interval"].text(thousands=True), t["verdict"]])
         kind = c["kind"] + (f", margin {c['margin']:g}" if c["kind"] == "matches" else "")
-        rows.append([c["name"], "**verdict**", kind, f"**{c['verdict']}**"])
+        rows.append([c["name"], "**verdict**", kind,
+                     f"**{c['verdict']}**" + (f" ({c['interim']})" if c.get("interim") else "")])  # fmt: skip
     return markdown_table(["comparison", "endpoint", "mean [95% CI] (seeds)", "verdict"], rows, aligned=False)
 
 

@@ -260,7 +260,13 @@ def compare_arms(exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[
         overall = next(h["verdict"] for h in heldout if h["primary"])
     else:
         overall = combine(verdicts) if verdicts else NOT_TESTED
-    return {**spec, "kind": kind, "margin": margin, "heldout": heldout, "tokens": tokens, "verdict": overall}
+    # A verdict read before every planned seed has run is a look at the data, not the result: said so.
+    both = (spec["candidate"], spec["baseline"])  # --quick may drop an arm: then nothing was planned
+    planned = min(len(exp.arm_seeds(a)) if a in exp.arms else 0 for a in both)
+    paired_seeds = max((h["interval"].n for h in heldout), default=0)
+    interim = f"interim: {paired_seeds} of {planned} planned seeds" if paired_seeds < planned else ""
+    return {**spec, "kind": kind, "margin": margin, "heldout": heldout, "tokens": tokens, "verdict": overall,
+            "interim": interim}  # fmt: skip
 
 
 def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> dict[str, Any]:
