@@ -358,6 +358,11 @@ def _gain(summary: dict[str, Any]) -> float | None:
     return None if before is None or after is None else after - before
 
 
+def gate_need(gate: dict[str, Any], arm: str) -> float:
+    """The held-out gain the pilot's gate asks of `arm`: its own threshold, else the common one."""
+    return float((gate.get("arms") or {}).get(arm, gate["heldout_gain"]))
+
+
 def picks_and_gate(exp: Experiment, runs: list[Run], records: Path | None
                    ) -> tuple[dict[str, float], list[list[Any]], list[list[Any]], bool]:  # fmt: skip
     """From the pilot's first-stage runs: each arm's pick (`pilot_score`), the score table, the gate table
@@ -374,14 +379,14 @@ def picks_and_gate(exp: Experiment, runs: list[Run], records: Path | None
         if len(scores) < len(data) or not scores:  # a pick needs every rate of the arm's grid
             score_rows.append([arm, *cells, "pending"])
             if gate is not None:
-                need = float((gate.get("arms") or {}).get(arm, gate["heldout_gain"]))
+                need = gate_need(gate, arm)
                 gate_rows.append([arm, "pending", "—", "—", "—", f"≥ {need:g}", "pending"])
             ok = False
             continue
         picks[arm] = max(scores, key=scores.__getitem__)
         score_rows.append([arm, *cells, f"{picks[arm]:g}"])
         if gate is not None:
-            need = float((gate.get("arms") or {}).get(arm, gate["heldout_gain"]))
+            need = gate_need(gate, arm)
             summary = data[picks[arm]][1]
             gain = _gain(summary)
             passed = gain is not None and gain >= need
@@ -440,7 +445,7 @@ def pilot_curves(exp: Experiment, runs: list[Run], records: Path | None, picks: 
         train = [(row["generated_tokens"], s) for row, s in zip(rewarded, smooth, strict=False)]
         curves.setdefault(arm, {})[lr] = {"heldout": held, "train": train}
         if gate is not None and picks.get(arm) == lr and before is not None:
-            gates[arm] = (lr, before + float((gate.get("arms") or {}).get(arm, gate["heldout_gain"])))
+            gates[arm] = (lr, before + gate_need(gate, arm))
     return {a: curves[a] for a in exp.arms if a in curves}, gates
 
 
