@@ -109,8 +109,8 @@ def main() -> None:
         "label logit; `materialised` forms the (tokens x V) float32 logits and applies the logsumexp "
         "formulas (1 - 2 p_y + sum p^2 for the energy). Times are medians of 2-5 calls after a warm-up; "
         "peak is the extra resident memory of one call in a fresh process (inputs excluded).\n\n"
-        "No GPU was lent to this task, so the Triton kernel's speed was not measured; it is tested for "
-        "correctness on the CPU through Triton's interpreter."
+        "The Triton kernel runs on CUDA only: its speed on a GPU is in energy-gpu.md "
+        "(`benchmarks/bench_fused_gpu.py`); here it is tested for correctness through Triton's interpreter."
     )
     write_result(
         out,

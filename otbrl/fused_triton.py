@@ -112,9 +112,9 @@ def triton_token_stats(
     tokens: torch.Tensor,
     temperature: float = 1.0,
     bias: torch.Tensor | None = None,
-    block_n: int = 32,
-    block_v: int = 64,
-    block_k: int = 32,
+    block_n: int = 64,
+    block_v: int = 128,
+    block_k: int = 64,
 ) -> TokenStats:
     """hidden (N, H), weight (V, H), tokens (N,) -> TokenStats of (N,) float32 tensors.
 

@@ -50,3 +50,17 @@ def test_decay_timing_replays_the_detector_against_collapses():
     runs = {"a": [run(surge, 15), run(surge, 12), run(flat, 20)], "b": [run(surge, None), run(flat, None)]}
     t = mod.timing(runs, settings)
     assert (t["caught"], t["late"], t["never"], t["false"], t["quiet"], t["lead"]) == (1, 1, 1, 1, 1, 2)
+
+
+def test_gpu_benchmark_says_it_needs_cuda_on_a_machine_without_one():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the benchmark would run")
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "bench_fused_gpu.py"), "--quick"],
+        cwd=BENCH,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr

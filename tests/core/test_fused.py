@@ -324,8 +324,10 @@ TRITON_SCRIPT = textwrap.dedent(
 
 
 def run_interpreted(script: str) -> dict:
-    """Run `script` with the Triton kernel built for the CPU interpreter; its last stdout line is JSON."""
-    pytest.importorskip("triton")
+    """Run `script` with the Triton kernel built for the CPU interpreter; its last stdout line is JSON.
+    Triton 3.6's interpreter cannot loop over a kernel's integer argument (seen on a GPU machine, where
+    the compiled kernel passed test_fused_cuda.py): the interpreter tests need 3.9, the version tested."""
+    pytest.importorskip("triton", minversion="3.9")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
     run = subprocess.run(
@@ -374,11 +376,17 @@ TRITON_DTYPES_SCRIPT = textwrap.dedent(
 )
 
 
+# The limit of float32 logits against float64 ones: one peaked row of this case (entropy 0.032) carries
+# a relative entropy error of 6e-6 on the torch path and 1.3e-5 in the kernel with 128-wide vocabulary
+# blocks, from the rounding of its logits alone (the kernel's entropy sums same-signed terms).
+FLOAT32_LOGITS_TOL = 3e-5
+
+
 def test_triton_kernel_mixed_and_low_precision_dtypes():
     errors = run_interpreted(TRITON_DTYPES_SCRIPT)
     for key, err in errors.items():
         assert isinstance(err, float), (key, err)
-        assert err <= 1e-5, (key, err)
+        assert err <= FLOAT32_LOGITS_TOL, (key, err)
 
 
 TRITON_NEG_INF_SCRIPT = textwrap.dedent(
