@@ -14,4 +14,13 @@ for sampler in otbrl trl; do
   printf 'bf16: true\nsampler: %s\n' "$sampler" >> "/tmp/gpu-demo-$sampler.yaml"
   python3 -m otbrl.app.cli train --config "/tmp/gpu-demo-$sampler.yaml" > "$out/train-$sampler.log" 2>&1
   echo "train, sampler $sampler: exit $?"; cp "/tmp/gpu-demo-$sampler/summary.json" "$out/summary-$sampler.json"
+  cp "/tmp/gpu-demo-$sampler/metrics.jsonl" "$out/metrics-$sampler.jsonl"
 done
+# the two samplers from one seed: how long their train rewards stay identical, and their step-1 energies
+python3 - "$out" <<'PY'
+import json, sys
+rows = {s: [json.loads(l) for l in open(f"{sys.argv[1]}/metrics-{s}.jsonl")] for s in ("otbrl", "trl")}
+same = next((i for i, (a, b) in enumerate(zip(*rows.values())) if a["reward"] != b["reward"]), None)
+print(f"train rewards identical for the first {same} steps;",
+      "step-1 mean energy", *(f"{s} {r[0]['otb/energy/mean']:.4f}" for s, r in rows.items()))
+PY
