@@ -3,7 +3,7 @@
 otbrl train --config recipes/NAME.yaml [--resume] [--key value ...]   train with a recipe
 otbrl demo [--key value ...]                                          the embedded default run
 otbrl recipes                                                         list the packaged recipes
-otbrl compare EXPERIMENT [--quick|--pilot] [--jobs 2]                 runs over estimators x seeds
+otbrl compare EXPERIMENT [--quick|--pilot] [--jobs 2] [--seeds 9-14]   runs over estimators x seeds
 otbrl claims [--results docs/results] [--readme README.md]            the claims table from the studies
 otbrl variance [--quick] [--out DIR] [...]                            estimators' gradient variance
 
@@ -101,11 +101,14 @@ def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
     if args.pilot and args.quick:
         raise fail("compare: --pilot and --quick do not go together")
     where = dict(jobs=args.jobs, runs_dir=args.runs_dir, results=args.results, amend=args.amend)
+    if args.pilot and (args.seeds or args.arms):
+        raise fail("compare: --seeds and --arms choose reported runs; the pilot runs whole")
     try:
         if args.pilot:
             page, failures = pilot(args.experiment, **where, train=not args.no_run)[0], []
         else:
-            page, failures = compare(args.experiment, quick=args.quick, **where, train=not args.no_run)
+            page, failures = compare(args.experiment, quick=args.quick, **where, train=not args.no_run,
+                                     seeds=args.seeds, arms=args.arms)  # fmt: skip
     except (ValueError, RuntimeError) as err:
         raise fail(str(err)) from None
     print(f"\nwrote {page}" + ("" if args.pilot else " (+ .png, .json)"))
@@ -167,6 +170,18 @@ def add_demo(sub: Subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _int_list(text: str) -> list[int]:
+    """'3,5,9-11' -> [3, 5, 9, 10, 11]."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"integers or ranges like 3,9-14, got {text!r}") from None
+    return out
+
+
 def add_compare(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "compare", help="training runs over arms (estimator, group size, ...) x seeds: table and plot"
@@ -181,6 +196,9 @@ def add_compare(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (default 2)")
     p.add_argument("--runs-dir", type=Path, help="where runs go (default runs/compare[-quick]/NAME)")
     p.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
+    p.add_argument("--seeds", type=_int_list, help="train only these of the protocol's seeds (e.g. 9-14 or "
+                   "3,5): one machine's share; records from every share merge")  # fmt: skip
+    p.add_argument("--arms", type=lambda s: s.split(","), help="train only these arms (comma-separated)")
     p.add_argument(
         "--no-run",
         action="store_true",

@@ -201,3 +201,14 @@ def test_claims_and_variance_from_an_unrelated_directory(tmp_path, monkeypatch, 
     main(["variance", "--quick"])
     main(["variance", "--quick", "--out", "elsewhere"])
     assert seen == [Path("runs/variance-quick"), Path("elsewhere")]
+
+
+def test_compare_seeds_take_lists_and_ranges_and_refuse_the_rest(capsys):
+    from otbrl.app.cli import _int_list, main
+
+    assert _int_list("3,9-11") == [3, 9, 10, 11] and _int_list("7") == [7]
+    with pytest.raises(SystemExit):
+        main(["compare", "walk3", "--seeds", "9-x"])
+    assert "integers or ranges" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--seeds and --arms choose reported runs"):
+        main(["compare", "walk3", "--pilot", "--seeds", "1"])

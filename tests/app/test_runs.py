@@ -324,3 +324,38 @@ def test_a_step_bounded_experiment_reports_the_held_out_reward_at_the_end() -> N
     text = table(exp, {"arms": {"otb-N4@0.0001": stats}})
     assert "| held-out @0 (start) | held-out at the end |" in text
     assert "| otb-N4@0.0001 | 2 | 0.350 ± 0.071 | 0.300 ± 0.071 |" in text
+
+
+def test_an_experiment_split_over_machines_merges_its_records(tmp_path, monkeypatch) -> None:
+    """Two machines each train their share (`--seeds`/`--arms`); each record says where it ran, and the page
+    of either reads both shares."""
+    from otbrl.app.studies.compare import compare, select
+
+    exp = load_experiment("walk")
+    with pytest.raises(ValueError, match=r"seeds \[99\] are not among"):
+        select(exp, plan(exp, tmp_path), [0, 99], None)
+    with pytest.raises(ValueError, match=r"arms \['nope'\] are not among"):
+        select(exp, plan(exp, tmp_path), None, ["nope"])
+    share = select(exp, plan(exp, tmp_path), [1], ["otb-N4", "grpo-N4"])
+    assert [(r.arm, r.seed) for r in share] == [("otb-N4", 1), ("grpo-N4", 1)]
+
+    calls: list[str] = []
+    monkeypatch.setattr(runs, "_train", _fake_train(calls))
+    results, quiet = tmp_path / "results", lambda _: None  # noqa: E731
+    monkeypatch.setattr(runs, "environment", lambda: {"device": "GPU-A", "cpus": 16, "torch": "9.9"})
+    compare("walk", runs_dir=tmp_path / "a", results=results, log=quiet, seeds=[0], arms=["otb-N4", "grpo-N4"])
+    monkeypatch.setattr(runs, "environment", lambda: {"device": "cpu", "cpus": 2, "torch": "9.8"})
+    page, _ = compare("walk", runs_dir=tmp_path / "b", results=results, log=quiet, seeds=[1],
+                      arms=["otb-N4", "grpo-N4"])  # fmt: skip
+    assert sorted(calls) == ["grpo-N4/0", "grpo-N4/1", "otb-N4/0", "otb-N4/1"]  # each share trained once
+    rec = read_record(record_path(results / "runs" / "walk", "otb-N4", 0))
+    assert rec["environment"]["device"] == "GPU-A"
+    text = page.read_text()
+    assert "| otb-N4 | 2 |" in text and "| grpo-N4 | 2 |" in text
+    assert "Trained on: 2 runs on GPU-A, 16 CPUs, torch 9.9; 2 runs on cpu, 2 CPUs, torch 9.8." in text
+
+
+def test_the_real_environment_names_the_device_and_versions() -> None:
+    env = runs.environment()
+    assert env["device"] and env["torch"] and env["cpus"] >= 1
+    assert runs.environment_label(env).startswith(env["device"]) and runs.environment_label(None) == "not recorded"

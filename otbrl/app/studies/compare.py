@@ -250,14 +250,23 @@ def protocol_text(exp: Experiment, result: dict[str, Any]) -> str:
     stamps = result.get("protocols", {})
     if reg is None:
         runs = ", ".join(f"{n} under `{h}`" for h, n in stamps.items()) or "none"
-        return f"Protocol: **not registered** (runs made before protocol registration). Runs: {runs}."
+        return (f"Protocol: **not registered** (runs made before protocol registration). Runs: {runs}."
+                + where_text(result))  # fmt: skip
     text = (f"Protocol: registered as `{reg['hash']}` at {reg['registered']} when the first run started "
             + ("(its YAML committed then" + (f", {reg['commit'][:10]})" if reg.get("commit") else ")")
                if reg.get("committed") else "(its YAML **not committed** then)") + ".")  # fmt: skip
     for a in reg.get("amendments", []):
         text += f" **Amended** at {a['at']} (`{a['hash']}`; keys {', '.join(a['changed'])}): {a['reason']}."
     runs = ", ".join(f"{n} under `{h}`" for h, n in stamps.items())
-    return text + f" Runs: {runs}."
+    return text + f" Runs: {runs}." + where_text(result)
+
+
+def where_text(result: dict[str, Any]) -> str:
+    """Where the runs were trained, when records say (an experiment split over machines shows it)."""
+    where = result.get("environments") or {}
+    if not where or set(where) == {"not recorded"}:
+        return ""
+    return " Trained on: " + "; ".join(f"{n} runs on {w}" for w, n in where.items()) + "."
 
 
 def to_json(result: dict[str, Any]) -> dict[str, Any]:
@@ -269,7 +278,8 @@ def to_json(result: dict[str, Any]) -> dict[str, Any]:
         comparisons.append({**c, "heldout": heldout, "tokens": tokens})
     reg = result.get("registration")
     return {"arms": result["arms"], "comparisons": comparisons, "prompt_problems": result["prompt_problems"],
-            "protocols": result.get("protocols", {}), "first_started": result.get("first_started"),
+            "protocols": result.get("protocols", {}), "environments": result.get("environments", {}),
+            "first_started": result.get("first_started"),
             "registration": None if reg is None else {k: v for k, v in reg.items() if k != "protocol"} | {
                 "amendments": [{k: v for k, v in a.items() if k != "protocol"} for a in reg["amendments"]]},
             "heldout_split": result.get("heldout_split")}  # fmt: skip
@@ -293,15 +303,30 @@ def _heldout_split(exp: Experiment) -> dict[str, Any] | None:
     return {"task": task, "fraction": get_task(task).heldout_fraction, "salt": task}
 
 
+def select(exp: Experiment, runs: list[Run], seeds: list[int] | None, arms: list[str] | None) -> list[Run]:
+    """The runs of `seeds` and `arms` (None: all): the share of an experiment one machine trains while
+    others train the rest; their records merge in the experiment's folder. Seeds and arms outside the
+    protocol are an error, not an empty share."""
+    extra = sorted(set(seeds or ()) - set(exp.seeds))
+    if extra:
+        raise ValueError(f"{exp.name}: seeds {extra} are not among the protocol's seeds {exp.seeds}")
+    unknown = sorted(set(arms or ()) - set(exp.arms))
+    if unknown:
+        raise ValueError(f"{exp.name}: arms {unknown} are not among the protocol's arms {list(exp.arms)}")
+    return [r for r in runs if (seeds is None or r.seed in seeds) and (arms is None or r.arm in arms)]
+
+
 def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | None = None,
-            results: Path | None = None, log: Any = print, amend: str | None = None, train: bool = True
+            results: Path | None = None, log: Any = print, amend: str | None = None, train: bool = True,
+            seeds: list[int] | None = None, arms: list[str] | None = None
             ) -> tuple[Path, list[str]]:  # fmt: skip
     """Plan, run (resuming from committed records; `train=False`: nothing, the page from the committed
     records alone), analyse and report one experiment. Returns (results
     page, failures). Quick runs go to runs/compare-quick/ and leave docs/results alone unless `results`
     says otherwise. The protocol is registered at the first run and checked at every later invocation
     (`amend`: the reason for a change, recorded); with a pilot gate, no reported run starts until the
-    pilot's committed runs pass it and the YAML holds its picks (and its power calculation)."""
+    pilot's committed runs pass it and the YAML holds its picks (and its power calculation). `seeds` and
+    `arms` train only that share of the runs (`select`); the page reads every run that has a record."""
     exp = load_experiment(spec, quick)
     root = Path("runs/compare-quick" if quick else "runs/compare")
     runs_dir = runs_dir or root / exp.name
@@ -319,7 +344,11 @@ def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | N
         stamp = _stamp(exp, records, "main", amend, quick)
         log(f"{exp.name}: {len(runs)} runs ({len(exp.arms)} arms, seeds {exp.seeds}) in {runs_dir}; records "
             f"in {records}; protocol {stamp['hash']}")  # fmt: skip
-        failures = execute(exp.name, exp.recipe, runs, jobs=jobs, log=log, records=records, stamp=stamp)
+        share = select(exp, runs, seeds, arms)
+        if len(share) < len(runs):
+            log(f"{exp.name}: this share is {len(share)} of the {len(runs)} runs (seeds {seeds or 'all'}, "
+                f"arms {arms or 'all'}); the page reads every run with a record")  # fmt: skip
+        failures = execute(exp.name, exp.recipe, share, jobs=jobs, log=log, records=records, stamp=stamp)
     else:
         runs = [r for r in runs if has_record(r, records)]
         log(f"{exp.name}: {len(runs)} runs with committed records in {records} (none trained)")

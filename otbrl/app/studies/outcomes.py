@@ -35,7 +35,7 @@ from otbrl.app.pages import markdown_table, read_record
 from otbrl.app.plots import MARKERS, STYLES, pyplot, save
 from otbrl.app.studies.experiment import Experiment
 from otbrl.app.studies.inference import NOT_TESTED, Interval, combine, paired, t_interval, verdict
-from otbrl.app.studies.runs import Run, has_record, record_path
+from otbrl.app.studies.runs import Run, environment_label, has_record, record_path
 
 SURGE_SMOOTH, SURGE_HISTORY = 5, 20
 
@@ -271,10 +271,12 @@ def compare_arms(exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[
 
 def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> dict[str, Any]:
     """{"arms": {arm: per-arm stats}, "runs": {arm: [per-run...]}, "comparisons": [...],
-    "prompt_problems": [...], "protocols": {hash: runs}, "first_started": time}, over the runs that
-    finished: from their committed records where `records` holds them, else from their directories."""
+    "prompt_problems": [...], "protocols": {hash: runs}, "environments": {where: runs}, "first_started":
+    time}, over the runs that finished: from their committed records where `records` holds them, else
+    from their directories."""
     per_arm: dict[str, list[dict[str, Any]]] = {}
     stamps: dict[str, int] = {}
+    where: dict[str, int] = {}
     started: list[str] = []
     for run in runs:
         batch = int(run.overrides.get("per_device_train_batch_size", 1))
@@ -284,12 +286,15 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
             key = (rec.get("protocol") or {}).get("hash") or "unstamped"
             stamps[key] = stamps.get(key, 0) + 1
             started += [rec["started"]] if rec.get("started") else []
+            env = environment_label(rec.get("environment"))
         elif (run.dir / "summary.json").is_file():
             rows = read_metrics(run.dir / "metrics.jsonl")
             summary = json.loads((run.dir / "summary.json").read_text())
             stamps["unstamped"] = stamps.get("unstamped", 0) + 1
+            env = "not recorded"
         else:
             continue
+        where[env] = where.get(env, 0) + 1
         result = analyse_rows(rows, summary, exp, run.seed, batch)
         n = run.overrides.get("num_generations")
         result["prompts_per_step"] = (
@@ -302,6 +307,7 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
         "comparisons": [compare_arms(exp, c, per_arm) for c in exp.comparisons],
         "prompt_problems": prompt_check(per_arm),
         "protocols": stamps,
+        "environments": where,
         "first_started": min(started) if started else None,
     }
 

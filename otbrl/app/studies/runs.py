@@ -169,6 +169,38 @@ def comparable(overrides: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in overrides.items() if k != "output_dir"}
 
 
+def environment() -> dict[str, Any]:
+    """Where a run is trained, for its record: the device `otbrl train` picks in this environment (CUDA when
+    it is visible) and the versions that shape its numbers. An experiment split over machines says so."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    def ver(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    cuda = torch.cuda.is_available()
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        **{name: ver(name) for name in ("torch", "transformers", "trl", "otbrl")},
+    }
+
+
+def environment_label(env: dict[str, Any] | None) -> str:
+    """One line per environment for a page: device and torch version (records from before environments
+    were recorded say so)."""
+    if not env:
+        return "not recorded"
+    return f"{env.get('device')}, {env.get('cpus')} CPUs, torch {env.get('torch')}"
+
+
 def make_record(run: Run, stamp: dict[str, Any]) -> dict[str, Any]:
     """The record of a finished run, from its directory."""
     started = run.dir / "started.json"
@@ -181,6 +213,7 @@ def make_record(run: Run, stamp: dict[str, Any]) -> dict[str, Any]:
         "protocol": start.get("protocol") or ({} if not started.is_file() else stamp),
         "started": start.get("started"),
         "finished": now(),
+        "environment": start.get("environment"),
         "summary": json.loads((run.dir / "summary.json").read_text()),
         "metrics": compact(read_metrics(run.dir / "metrics.jsonl")),
     }
@@ -265,12 +298,14 @@ def execute(
     # the arms of a seed start from one model and score the same prompts: one step-0 score for them all
     shared = Path(os.path.commonpath([str(r.dir) for r in todo])) / ".heldout-before" if todo else None
 
+    env = environment() if todo else None
+
     def one(run: Run) -> None:
         start = time.perf_counter()
         run.dir.mkdir(parents=True, exist_ok=True)
         started = run.dir / "started.json"  # a resumed run keeps the stamp and time it first started under
         if not started.is_file():
-            started.write_text(json.dumps({"protocol": stamp or {}, "started": now()}))
+            started.write_text(json.dumps({"protocol": stamp or {}, "started": now(), "environment": env}))
         code, failure = _train(recipe, run, shared)
         if failure:
             failures.append(failure)
