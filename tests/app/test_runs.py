@@ -68,13 +68,13 @@ def test_protocol_is_registered_once_and_a_change_needs_an_amendment(tmp_path) -
                                               "pilot")  # fmt: skip
 
 
-def _fake_train(calls: list[str]):
+def _fake_train(calls: list[str], tokens: float = 100.0, budgets: tuple[int, ...] = (600, 1200)):
     def train(recipe: str, run: runs.Run, heldout_cache: Path | None = None) -> tuple[int, str]:
         calls.append(f"{run.arm}/{run.seed}")
         run.dir.mkdir(parents=True, exist_ok=True)
         rng = random.Random(f"{run.arm}{run.seed}")
         rewards = [0.3 + 0.02 * i + 0.01 * rng.random() for i in range(12)]
-        rows = _rows(rewards, heldout={600: rewards[-1], 1200: rewards[-1]})
+        rows = _rows(rewards, tokens, heldout={b: rewards[-1] for b in budgets})
         write_metrics(run.dir / "metrics.jsonl", rows)
         (run.dir / "summary.json").write_text(json.dumps({"held-out reward before": 0.3,
                                                           "held-out reward after": rewards[-1]}))  # fmt: skip
@@ -340,10 +340,11 @@ def test_an_experiment_split_over_machines_merges_its_records(tmp_path, monkeypa
     assert [(r.arm, r.seed) for r in share] == [("otb-N4", 1), ("grpo-N4", 1)]
 
     calls: list[str] = []
-    monkeypatch.setattr(runs, "_train", _fake_train(calls))
+    monkeypatch.setattr(runs, "_train", _fake_train(calls, 20000.0, (100000, 200000)))  # walk's budgets
     results, quiet = tmp_path / "results", lambda _: None  # noqa: E731
     monkeypatch.setattr(runs, "environment", lambda: {"device": "GPU-A", "cpus": 16, "torch": "9.9"})
-    compare("walk", runs_dir=tmp_path / "a", results=results, log=quiet, seeds=[0], arms=["otb-N4", "grpo-N4"])
+    both = ["otb-N4", "grpo-N4"]
+    compare("walk", runs_dir=tmp_path / "a", results=results, log=quiet, seeds=[0], arms=both)
     monkeypatch.setattr(runs, "environment", lambda: {"device": "cpu", "cpus": 2, "torch": "9.8"})
     page, _ = compare("walk", runs_dir=tmp_path / "b", results=results, log=quiet, seeds=[1],
                       arms=["otb-N4", "grpo-N4"])  # fmt: skip
@@ -353,9 +354,14 @@ def test_an_experiment_split_over_machines_merges_its_records(tmp_path, monkeypa
     text = page.read_text()
     assert "| otb-N4 | 2 |" in text and "| grpo-N4 | 2 |" in text
     assert "Trained on: 2 runs on GPU-A, 16 CPUs, torch 9.9; 2 runs on cpu, 2 CPUs, torch 9.8." in text
+    # the primary endpoint by machine pair: seed 0 on GPU-A for both arms, seed 1 on the cpu
+    gpu = "GPU-A, 16 CPUs, torch 9.9"
+    assert f"| OTB vs GRPO, N=4 | held-out @200k | {gpu} | {gpu} | 1 |" in text
+    assert "| held-out @200k | cpu, 2 CPUs, torch 9.8 | cpu, 2 CPUs, torch 9.8 | 1 |" in text
 
 
 def test_the_real_environment_names_the_device_and_versions() -> None:
     env = runs.environment()
     assert env["device"] and env["torch"] and env["cpus"] >= 1
-    assert runs.environment_label(env).startswith(env["device"]) and runs.environment_label(None) == "not recorded"
+    assert runs.environment_label(env).startswith(env["device"])
+    assert runs.environment_label(None) == "not recorded"

@@ -127,6 +127,20 @@ def comparisons_table(result: dict[str, Any]) -> str:
     return markdown_table(["comparison", "endpoint", "mean [95% CI] (seeds)", "verdict"], rows, aligned=False)
 
 
+def where_table(result: dict[str, Any]) -> str:
+    """The primary endpoints' paired differences grouped by where each side was trained: when runs were
+    split over machines, a check that the machine does not stand in for the arm (not part of any verdict)."""
+    rows = [[c["name"], f"held-out @{_k(h['budget'])}", g["candidate"], g["baseline"], g["seeds"],
+             f"{g['mean']:+.3f}"]
+            for c in result["comparisons"] for h in c["heldout"] if h.get("primary") or "primary" not in c
+            for g in h.get("by_where", [])]  # fmt: skip
+    return ("Where each pair was trained (primary endpoints; mean paired difference by machine, a check "
+            "beside the verdict and not part of it; \"not recorded\": a record made before records named "
+            "their machine):\n\n"
+            + markdown_table(["comparison", "endpoint", "candidate trained on", "baseline trained on",
+                              "seeds", "mean difference"], rows, aligned=False))  # fmt: skip
+
+
 def events(result: dict[str, Any]) -> str:
     """Per run with any event: first gradient-norm surge, first LR-decay trigger, collapse (steps)."""
     rows = [
@@ -231,6 +245,8 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
     if result["comparisons"]:
         parts.append(f"Paired comparisons ({exp.confidence:.0%} t intervals over seeds):\n\n"
                      + comparisons_table(result))  # fmt: skip
+        parts += [where_table(result)] if any(h.get("by_where") for c in result["comparisons"]
+                                              for h in c["heldout"]) else []  # fmt: skip
     parts += [
         f"Events by run (steps):\n\n{events(result)}",
         check,

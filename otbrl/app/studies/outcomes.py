@@ -225,6 +225,23 @@ def _seed_values(results: list[dict[str, Any]], get: Any) -> dict[int, float]:
     return out
 
 
+def by_where(cand: list[dict[str, Any]], base: list[dict[str, Any]], get_cand: Any, get_base: Any
+             ) -> list[dict[str, Any]]:  # fmt: skip
+    """The paired differences grouped by where each side's run was trained, when the runs were not all
+    trained in one place: a check that the machines do not tell the arms apart, never a verdict.
+    [{"candidate": where, "baseline": where, "seeds": n, "mean": difference}]; [] when every run of both
+    arms ran in one place."""
+    where = {(i, r["seed"]): r.get("where", "not recorded") for i, rs in enumerate((cand, base)) for r in rs}
+    if len(set(where.values())) < 2:
+        return []
+    groups: dict[tuple[str, str], list[float]] = {}
+    values = (_seed_values(cand, get_cand), _seed_values(base, get_base))
+    for seed in sorted(set(values[0]) & set(values[1])):
+        groups.setdefault((where[0, seed], where[1, seed]), []).append(values[0][seed] - values[1][seed])
+    return [{"candidate": c, "baseline": b, "seeds": len(v), "mean": statistics.fmean(v)}
+            for (c, b), v in groups.items()]  # fmt: skip
+
+
 def compare_arms(exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[dict[str, Any]]]
                  ) -> dict[str, Any]:  # fmt: skip
     """One comparison of the YAML's `comparisons`: paired intervals of held-out reward at each budget
@@ -244,7 +261,9 @@ def compare_arms(exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[
         ci = t_interval(diffs, exp.confidence)
         v = verdict(kind, ci, margin)
         heldout.append({"budget": b, "baseline_budget": bb, "interval": ci, "verdict": v,
-                        "primary": "primary" in spec and int(spec["primary"]) == b})  # fmt: skip
+                        "primary": "primary" in spec and int(spec["primary"]) == b,
+                        "by_where": by_where(cand, base, lambda r, b=b: r["heldout"].get(b),
+                                             lambda r, bb=bb: r["heldout"].get(bb))})  # fmt: skip
         verdicts.append(v)
     tokens = []
     for th in exp.thresholds if kind == "better" else []:
@@ -296,6 +315,7 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
             continue
         where[env] = where.get(env, 0) + 1
         result = analyse_rows(rows, summary, exp, run.seed, batch)
+        result["where"] = env
         n = run.overrides.get("num_generations")
         result["prompts_per_step"] = (
             batch // int(n) if n and "per_device_train_batch_size" in run.overrides else None
