@@ -562,7 +562,8 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         "# The paper's claims, measured here",
         "",
         "Tiny Qwen2 models (0.5M parameters) on built-in tasks, and SmolLM2-135M-Instruct (the smollm2 "
-        "rows), on a 2-core CPU: a small-scale check of the mechanisms, not of the paper's 7B numbers. "
+        "rows), on a 2-core CPU (some runs on a lent GPU: each page lists where its runs were trained): a "
+        "small-scale check of the mechanisms, not of the paper's 7B numbers. "
         "Each row's verdict follows the rule stated in it, "
         "applied to the numbers in the linked pages; regenerate this page with `otbrl claims` after the "
         "studies. Verdicts: **held**, **did not hold**, **inconclusive** (the interval spans the decision "
