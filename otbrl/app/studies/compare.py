@@ -282,7 +282,9 @@ def where_text(result: dict[str, Any]) -> str:
     where = result.get("environments") or {}
     if not where or set(where) == {"not recorded"}:
         return ""
-    return " Trained on: " + "; ".join(f"{n} runs on {w}" for w, n in where.items()) + "."
+    return " Trained on: " + "; ".join(f"{n} runs on {w}" if w != "not recorded" else
+                                       f"{n} runs whose record does not name the machine"
+                                       for w, n in where.items()) + "."  # fmt: skip
 
 
 def to_json(result: dict[str, Any]) -> dict[str, Any]:
