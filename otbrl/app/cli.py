@@ -103,6 +103,8 @@ def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
     where = dict(jobs=args.jobs, runs_dir=args.runs_dir, results=args.results, amend=args.amend)
     if args.pilot and (args.seeds or args.arms):
         raise fail("compare: --seeds and --arms choose reported runs; the pilot runs whole")
+    if args.no_run and (args.seeds or args.arms):
+        raise fail("compare: --seeds and --arms choose runs to train; --no-run trains none")
     try:
         if args.pilot:
             page, failures = pilot(args.experiment, **where, train=not args.no_run)[0], []

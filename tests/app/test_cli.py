@@ -212,3 +212,5 @@ def test_compare_seeds_take_lists_and_ranges_and_refuse_the_rest(capsys):
     assert "integers or ranges" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--seeds and --arms choose reported runs"):
         main(["compare", "walk3", "--pilot", "--seeds", "1"])
+    with pytest.raises(SystemExit, match="--no-run trains none"):
+        main(["compare", "walk3", "--no-run", "--arms", "otb-N4"])

@@ -351,6 +351,7 @@ def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | N
     results = results or (root / "results" if quick else RESULTS)
     records = results / "runs" / exp.name
     runs = plan(exp, runs_dir)
+    share = select(exp, runs, seeds, arms)  # a share outside the protocol fails before anything else
     if not quick and train:
         problems = gate_problems(exp, results)
         if problems:
@@ -362,7 +363,6 @@ def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | N
         stamp = _stamp(exp, records, "main", amend, quick)
         log(f"{exp.name}: {len(runs)} runs ({len(exp.arms)} arms, seeds {exp.seeds}) in {runs_dir}; records "
             f"in {records}; protocol {stamp['hash']}")  # fmt: skip
-        share = select(exp, runs, seeds, arms)
         if len(share) < len(runs):
             log(f"{exp.name}: this share is {len(share)} of the {len(runs)} runs (seeds {seeds or 'all'}, "
                 f"arms {arms or 'all'}); the page reads every run with a record")  # fmt: skip
