@@ -360,6 +360,22 @@ def test_an_experiment_split_over_machines_merges_its_records(tmp_path, monkeypa
     assert "| held-out @200k | cpu, 2 CPUs, torch 9.8 | cpu, 2 CPUs, torch 9.8 | 1 |" in text
 
 
+def test_a_run_started_again_keeps_its_first_start_and_names_where_it_trained(tmp_path, monkeypatch) -> None:
+    """A run cut off before it finished trains again from scratch, perhaps elsewhere: its record keeps the
+    stamp and time of its first start (registration is judged by it) and names the machine that trained it."""
+    run = plan(load_experiment("walk"), tmp_path)[0]
+    run.dir.mkdir(parents=True)
+    first = {"protocol": {"hash": "old", "kind": "main"}, "started": "2026-01-01T00:00:00+00:00"}
+    (run.dir / "started.json").write_text(json.dumps(first))  # the cut-off attempt, before environments
+    monkeypatch.setattr(runs, "_train", _fake_train([]))
+    monkeypatch.setattr(runs, "environment", lambda: {"device": "cpu", "cpus": 2, "torch": "9.8"})
+    records = tmp_path / "records"
+    runs.execute("walk", "walk", [run], jobs=1, log=lambda _: None, records=records, stamp={"hash": "new"})
+    rec = read_record(record_path(records, run.arm, run.seed))
+    assert rec["protocol"] == first["protocol"] and rec["started"] == first["started"]
+    assert rec["environment"] == {"device": "cpu", "cpus": 2, "torch": "9.8"}
+
+
 def test_the_real_environment_names_the_device_and_versions() -> None:
     env = runs.environment()
     assert env["device"] and env["torch"] and env["cpus"] >= 1

@@ -303,9 +303,13 @@ def execute(
     def one(run: Run) -> None:
         start = time.perf_counter()
         run.dir.mkdir(parents=True, exist_ok=True)
-        started = run.dir / "started.json"  # a resumed run keeps the stamp and time it first started under
-        if not started.is_file():
-            started.write_text(json.dumps({"protocol": stamp or {}, "started": now(), "environment": env}))
+        # a run started again keeps the stamp and time it first started under (when the protocol was
+        # registered); it trains from scratch, so where it trains is where this attempt runs
+        started = run.dir / "started.json"
+        first = {"protocol": stamp or {}, "started": now()}
+        if started.is_file():
+            first = {k: v for k, v in json.loads(started.read_text()).items() if k != "environment"}
+        started.write_text(json.dumps({**first, "environment": env}))
         code, failure = _train(recipe, run, shared)
         if failure:
             failures.append(failure)
