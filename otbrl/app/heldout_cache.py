@@ -55,6 +55,7 @@ def before_key(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, Any]
         "rows": [[r["prompt"], r["answer"]] for r in rows],
         "settings": settings,
         "threads": torch.get_num_threads(),
+        "device": str(getattr(model, "device", "cpu")),  # CPU and GPU sample the same seed differently
         "versions": [torch.__version__, transformers.__version__, __version__],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]

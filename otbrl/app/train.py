@@ -152,6 +152,16 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
                 recipe["seed"], tools, max_turns,
             )  # fmt: skip
 
+    trainer = OTBGRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_list(train_rows),
+        processing_class=tokenizer,
+        **_rollouts(tools, max_turns, recipe["sampler"]),
+    )
+    # After the trainer is built: it has put the model where training samples (the GPU, say), so the
+    # step-0 score is sampled there, in training's precision, like the scores at the token budgets.
     before, reused = None, False
     if recipe["eval_before"]:
         settings = {"max_new_tokens": config.max_completion_length, "temperature": config.temperature,
@@ -164,14 +174,6 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     if before is not None:
         same = ", reused: an earlier run's with the same model, prompts and seed" if reused else ""
         log(f"held-out reward before training: {before:.3f} ({len(eval_rows)} prompts{same})")
-    trainer = OTBGRPOTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=config,
-        train_dataset=Dataset.from_list(train_rows),
-        processing_class=tokenizer,
-        **_rollouts(tools, max_turns, recipe["sampler"]),
-    )
     metrics = out / "metrics.jsonl"
     budgets = TokenBudgets(evaluate_now, list(recipe["eval_at_tokens"] or []), recipe["max_generated_tokens"])
     trainer.add_callback(metrics_callback(metrics, config.generation_batch_size, budgets, ledger))

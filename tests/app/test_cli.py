@@ -115,6 +115,29 @@ def test_short_run_writes_its_outputs_and_resumes(tmp_path):
     assert resumed["train seconds"] == round(lines[2]["train_seconds"], 1) >= summary["train seconds"]
 
 
+def test_the_step_zero_score_is_sampled_where_training_samples(tmp_path, monkeypatch):
+    """The held-out score before training is taken once the trainer has placed the model (on a GPU
+    machine, the GPU, in training's autocast), not on the CPU it was loaded on."""
+    from otbrl.app import train as train_module
+
+    built, seen = [], []
+
+    class Trainer(train_module.OTBGRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self.model.device)
+
+    def evaluate(model, *args, **kwargs):
+        seen.append((len(built), model.device))
+        return 0.5
+
+    monkeypatch.setattr(train_module, "OTBGRPOTrainer", Trainer)
+    monkeypatch.setattr(train_module, "evaluate", evaluate)
+    recipe = load_recipe("demo", {**FAST, "output_dir": str(tmp_path), "max_steps": 1, "plot": False})
+    assert run({**recipe, "eval_before": True, "eval_at_tokens": []}, log=lambda *_: None)["steps"] == 1
+    assert seen and seen[0] == (1, built[0])  # the step-0 evaluation came after the trainer, on its device
+
+
 def fast_args(out) -> list[str]:
     """FAST as command-line overrides (as `otbrl compare` passes them: JSON for lists, booleans)."""
     pairs = {**FAST, "output_dir": str(out)}.items()

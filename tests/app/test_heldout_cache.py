@@ -25,7 +25,7 @@ def _rows(n: int = 6) -> list[dict[str, str]]:
     return dataset("reverse", n, 1, split="heldout")
 
 
-def test_the_key_changes_with_every_input_and_only_then() -> None:
+def test_the_key_changes_with_every_input_and_only_then(monkeypatch) -> None:
     model, rows = _model(), _rows()
     key = before_key(model, None, rows, SETTINGS)
     assert key == before_key(_model(), None, _rows(), dict(SETTINGS))  # a fresh load of the same
@@ -34,6 +34,9 @@ def test_the_key_changes_with_every_input_and_only_then() -> None:
     assert key != before_key(model, None, rows, {**SETTINGS, "seed": 1})  # other sampling seed
     assert key != before_key(model, None, rows, {**SETTINGS, "temperature": 0.7})
     assert key != before_key(model, char_tokenizer(), rows, SETTINGS)  # a tokenizer
+    with monkeypatch.context() as m:  # where it samples (a GPU, say) decides its draws too
+        m.setattr(type(model), "device", property(lambda self: torch.device("meta")))
+        assert key != before_key(model, None, rows, SETTINGS)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)  # other float reductions, possibly other samples
