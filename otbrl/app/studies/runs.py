@@ -308,7 +308,7 @@ def execute(
         started = run.dir / "started.json"
         first = {"protocol": stamp or {}, "started": now()}
         if started.is_file():
-            first = {k: v for k, v in json.loads(started.read_text()).items() if k != "environment"}
+            first = json.loads(started.read_text())
         started.write_text(json.dumps({**first, "environment": env}))
         code, failure = _train(recipe, run, shared)
         if failure:
