@@ -14,21 +14,22 @@ VSTAMP  := .venv-verl/.installed
 
 .PHONY: test test-verl demo demo-llm lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml studies/requirements.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	printf '%s\n' $(TESTED) > .venv/constraints.txt
-	$(PY) -m pip install -q -c .venv/constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q -c .venv/constraints.txt -e ".[dev]" -r studies/requirements.txt
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check otbrl tests benchmarks examples
+	$(PY) -m ruff check otbrl studies tests benchmarks examples
+	$(PY) -m ruff format --check otbrl studies tests benchmarks examples
 
 # tests/test_wheel.py builds the wheel and runs the installed commands from a temporary directory: the
 # editable install alone would hide package data missing from the wheel.
 test: $(STAMP) lint
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests studies/tests
 
 $(VSTAMP): pyproject.toml
 	test -x $(VPY) || python3 -m venv .venv-verl

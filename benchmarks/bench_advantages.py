@@ -15,11 +15,10 @@ import statistics
 import time
 
 import torch
-from common import command_line, in_fresh_process, measure, write_result
+from common import command_line, in_fresh_process, markdown_table, measure, write_result
 from torch import Tensor
 
 import otbrl
-from otbrl.app.pages import markdown_table
 
 GROUP_SIZE = 8
 FULL_SIZES = [(256, 1024), (256, 8192), (1024, 1024), (1024, 8192)]

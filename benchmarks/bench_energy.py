@@ -13,11 +13,10 @@ cell runs in a fresh process.
 from __future__ import annotations
 
 import torch
-from common import command_line, in_fresh_process, measure, write_result
+from common import command_line, in_fresh_process, markdown_table, measure, write_result
 from torch import Tensor
 
 import otbrl
-from otbrl.app.pages import markdown_table
 from otbrl.energy import CHUNK_ELEMENTS
 
 FULL_VOCABS, FULL_ROWS = [32768, 151936], [1024, 2048, 4096]

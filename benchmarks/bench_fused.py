@@ -11,10 +11,9 @@ CPU, torch path (the Triton kernel needs a GPU). Each (method, size) cell runs i
 from __future__ import annotations
 
 import torch
-from common import command_line, in_fresh_process, measure, write_result
+from common import command_line, in_fresh_process, markdown_table, measure, write_result
 from torch import Tensor
 
-from otbrl.app.pages import markdown_table
 from otbrl.fused import TILE_ELEMENTS, fused_partial_stats, fused_token_stats
 
 # (tokens, V, H). Time ratios over the hidden size H (the matmul's share grows with H; real models have

@@ -17,10 +17,9 @@ from collections.abc import Callable
 
 import torch
 from bench_fused import materialised  # the same formulas as the CPU benchmark's
-from common import command_line, write_result
+from common import command_line, markdown_table, write_result
 from torch import Tensor
 
-from otbrl.app.pages import markdown_table
 from otbrl.fused import fused_token_stats
 
 # (tokens, V, H): the heads of SmolLM2-135M, Qwen2.5-0.5B, Qwen2.5-7B and Llama-3-8B, with a batch of

@@ -633,13 +633,13 @@ def bwrap_table(result: dict) -> str:
 
 
 def _machine() -> str:
-    """The machine line of the results pages (`otbrl.app.pages.machine`). Imported here, not at the top:
+    """The machine line of the results pages (`studies.pages.machine`). Imported here, not at the top:
     run against an older otbrl checkout (PYTHONPATH, as above) that module is absent, and a plain line
     stands in."""
     try:
         import torch
 
-        from otbrl.app.pages import machine
+        from studies.pages import machine
     except ImportError:
         return f"{platform.machine()}, {os.cpu_count()} CPUs; Python {platform.python_version()}"
     return machine(torch.get_num_threads())

@@ -28,12 +28,11 @@ import tempfile
 from typing import Any
 
 import torch
-from common import command_line, write_result
+from common import command_line, markdown_table, write_result
 from datasets import Dataset
 from step_clock import StepClock
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from otbrl.app.pages import markdown_table
 from otbrl.integrations.trl import OTBGRPOConfig, OTBGRPOTrainer, rollout_func
 from otbrl.tasks import char_tokenizer, dataset, get_task
 from otbrl.tasks.models import tiny_config

@@ -7,18 +7,29 @@ high-water mark reset by writing "5" to /proc/self/clear_refs.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import statistics
-import tempfile
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+# The scripts run from any directory; the page helpers they share with the evidence suite (the machine line,
+# the one markdown table writer, compact records) live in the repository's `studies` package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from studies.pages import (  # noqa: E402
+    RESULTS,
+    command_line,
+    machine,
+    markdown_table,
+    read_record,
+    write_record,
+    write_result,
+)
 
-from otbrl.app.pages import machine
+# re-exported for the scripts
+__all__ = ["RESULTS", "command_line", "machine", "markdown_table", "read_record", "write_record", "write_result"]
 
 
 def _status_mib(field: str) -> float:
@@ -53,39 +64,3 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
         return pool.apply(fn, args)
 
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
-
-
-def command_line(description: str, quick_help: str, filename: str) -> tuple[bool, Path, int]:
-    """Parse --quick / --out. Returns (quick, output path, torch threads). Quick runs write to the temp
-    directory unless --out says otherwise, so they never overwrite the measured tables in docs/."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--quick", action="store_true", help=f"{quick_help}; output to a temp file")
-    parser.add_argument("--out", type=Path, help="markdown output path")
-    args = parser.parse_args()
-    out = args.out or (Path(tempfile.gettempdir()) if args.quick else RESULTS) / filename
-    threads = torch.get_num_threads()
-    print(machine(threads))
-    return args.quick, out, threads
-
-
-def write_result(
-    out: Path,
-    title: str,
-    script: str,
-    quick: bool,
-    threads: int,
-    description: str,
-    table: str,
-    verdict: str,
-    env: str = "",
-) -> None:
-    """Write a results page: title, machine, the command that regenerates it (after `env`, e.g.
-    "OMP_NUM_THREADS=1 "), what was measured, the table and the verdict computed from it."""
-    command = f"{env}.venv/bin/python benchmarks/{script}" + (" --quick" if quick else "")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        f"# {title}\n\nMachine: {machine(threads)}.\n\nRegenerate (from the repo root): `{command}`\n\n"
-        f"{description}\n\n{table}\n\n{verdict}\n"
-    )
-    print(f"wrote {out}")

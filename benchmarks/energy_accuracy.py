@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 import transformers
-from common import command_line, write_result
+from common import command_line, markdown_table, write_result
 
-from otbrl.app.pages import markdown_table
 from otbrl.fused import fused_token_stats
 from otbrl.lm import completion_energy, final_hidden, predicting
 from otbrl.rollout import resolve_tools, sample_with_tools

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import machine, markdown_table, read_record, write_record
 
-from otbrl.app.pages import machine, markdown_table, read_record, write_record
 from otbrl.energy import token_energy
 from otbrl.rollout.sampler import sample
 from otbrl.tasks import dataset, get_task, warm_start

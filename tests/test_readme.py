@@ -293,7 +293,7 @@ def test_quoted_numbers_match_their_result_pages():
 
 
 def test_the_toy_table_is_what_the_toy_study_prints():
-    command = [sys.executable, "-m", "otbrl.app.studies.toy"]  # the command docs/library.md gives
+    command = [sys.executable, "-m", "studies.toy"]  # the command docs/library.md gives
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=120, env=env).stdout
     rows = re.findall(r"^\| ([a-z_ ()-]+?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$",

@@ -1,5 +1,6 @@
 """What a user gets from `pip install otbrl`: the wheel built from this checkout holds every file of the
-package (experiments, recipes, shipped checkpoints), and its commands work from an unrelated directory
+package (recipes, shipped checkpoints) and nothing of the evidence suite (experiments, protocols, claims,
+scipy), and its commands work from an unrelated directory
 (an editable install would hide anything missing). Offline: the wheel is built with this environment's
 setuptools and installed with --no-deps into a folder of its own."""
 
@@ -57,28 +58,35 @@ def test_the_wheel_holds_every_file_of_the_package(installed):
     wheel, _ = installed
     with zipfile.ZipFile(wheel) as z:
         inside = set(z.namelist())
+        (meta,) = [n for n in inside if n.endswith(".dist-info/METADATA")]
+        requires = [line for line in z.read(meta).decode().splitlines() if line.startswith("Requires-Dist:")]
     missing = sorted(package_files() - inside)
     assert not missing, f"not in the wheel: {missing}"
-    for folder in ("otbrl/app/experiments/", "otbrl/app/recipes/", "otbrl/app/checkpoints/"):
+    for folder in ("otbrl/app/recipes/", "otbrl/tasks/checkpoints/"):
         assert any(n.startswith(folder) for n in inside), folder
+    # The evidence suite stays in the repository: no experiment, protocol or claims code, and no scipy.
+    suite = [n for n in inside if n.startswith("studies/") or n.endswith(("claims.py", "protocol.json"))
+             or "/experiments/" in n]  # fmt: skip
+    assert not suite, suite
+    assert requires and not [r for r in requires if "scipy" in r], requires
 
 
 def test_installed_commands_work_from_an_unrelated_directory(installed, tmp_path):
     _, site = installed
     where = otbrl(site, tmp_path, "recipes")
     assert where.returncode == 0 and "gsm8k-qwen2.5-0.5b" in where.stdout.split()
-    # Nothing to summarise here yet: a clear line, no traceback.
-    empty = otbrl(site, tmp_path, "claims")
-    assert empty.returncode == 2 and "Traceback" not in empty.stderr
-    assert empty.stderr.strip().startswith("otbrl: nothing to summarise: no study results")
-    # The quick walk comparison: the packaged experiment, recipe and warm-start checkpoint.
-    quick = otbrl(site, tmp_path, "compare", "walk", "--quick", "--jobs", "2")
+    # The user's own comparison, on the packaged demo recipe and its shipped warm-start checkpoint.
+    fast = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
+            "--eval_size", "8", "--train_size", "64", "--save_strategy", "no", "--report_to", "[]",
+            "--threads", "1", "--disable_tqdm", "true"]  # fmt: skip
+    quick = otbrl(site, tmp_path, "compare", "--config", "demo", "--arms", "otb,grpo", "--seeds", "0,1", *fast)
     assert quick.returncode == 0, (quick.stdout[-2000:], quick.stderr[-2000:])
-    results = tmp_path / "runs" / "compare-quick" / "results"
-    assert (results / "walk.md").is_file() and (results / "walk.json").is_file()
-    claims = otbrl(site, tmp_path, "claims", "--results", str(results))
-    assert claims.returncode == 0, claims.stderr[-2000:]
-    assert (results / "claims.md").is_file() and "Not run yet" in (results / "claims.md").read_text()
+    page = tmp_path / "runs" / "compare-demo" / "compare.md"
+    assert page.is_file() and (page.parent / "compare.png").is_file()
+    assert "| grpo | 2 |" in page.read_text() and "[95% CI]" in page.read_text()
+    # The suite's subcommands are not the package's.
+    gone = otbrl(site, tmp_path, "claims")
+    assert gone.returncode == 2 and "invalid choice: 'claims'" in gone.stderr
     # The commands ran the installed copy, not this checkout.
     code = "import otbrl; print(otbrl.__file__)"
     env = {**os.environ, "PYTHONPATH": str(site)}

@@ -3,9 +3,7 @@
 otbrl train --config recipes/NAME.yaml [--resume] [--key value ...]   train with a recipe
 otbrl demo [--key value ...]                                          the embedded default run
 otbrl recipes                                                         list the packaged recipes
-otbrl compare EXPERIMENT [--quick|--pilot] [--jobs 2] [--seeds 9-14]   runs over estimators x seeds
-otbrl claims [--results docs/results] [--readme README.md]            the claims table from the studies
-otbrl variance [--quick] [--out DIR] [...]                            estimators' gradient variance
+otbrl compare --config RECIPE --arms otb,grpo [--seeds 0-2] [--key value ...]   your arms x seeds
 
 A bad recipe, value or input ends in one line starting `otbrl:` and exit code 2, before any model is
 loaded; a run stopped by failing reward functions ends the same way with exit code 1.
@@ -19,10 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from otbrl.app.compare import compare
 from otbrl.app.recipe import load_recipe, parse_value, recipe_names
-from otbrl.app.studies import variance
-from otbrl.app.studies.claims import STUDIES, sync_readme, write_claims
-from otbrl.app.studies.compare import compare, experiment_names, pilot
 from otbrl.app.train import run, summary_table, written
 from otbrl.integrations.trl.rewards import RewardFailure
 
@@ -91,65 +87,41 @@ def train_command(args: argparse.Namespace, rest: list[str]) -> None:
     print(f"\nwrote to {recipe['output_dir']}: {', '.join(written(Path(recipe['output_dir'])))}")
 
 
-def recipes_command(args: argparse.Namespace, rest: list[str]) -> None:
-    print("\n".join(recipe_names()))
-
-
 def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
-    if rest:
-        raise SystemExit(f"otbrl compare: unexpected arguments {rest}")
-    if args.pilot and args.quick:
-        raise fail("compare: --pilot and --quick do not go together")
-    where = dict(jobs=args.jobs, runs_dir=args.runs_dir, results=args.results, amend=args.amend)
-    if args.pilot and (args.seeds or args.arms):
-        raise fail("compare: --seeds and --arms choose reported runs; the pilot runs whole")
-    if args.no_run and (args.seeds or args.arms):
-        raise fail("compare: --seeds and --arms choose runs to train; --no-run trains none")
+    """`otbrl compare`: the recipe under each arm (estimator) and seed, then the paired table."""
+    _show_warnings()
+    out = args.out or Path("runs") / f"compare-{Path(args.config).stem}"
     try:
-        if args.pilot:
-            page, failures = pilot(args.experiment, **where, train=not args.no_run)[0], []
-        else:
-            page, failures = compare(args.experiment, quick=args.quick, **where, train=not args.no_run,
-                                     seeds=args.seeds, arms=args.arms)  # fmt: skip
-    except (ValueError, RuntimeError) as err:
-        raise fail(str(err)) from None
-    print(f"\nwrote {page}" + ("" if args.pilot else " (+ .png, .json)"))
-    if failures:
-        raise SystemExit("otbrl compare: failed runs:\n" + "\n".join(failures))
-
-
-def claims_command(args: argparse.Namespace, rest: list[str]) -> None:
-    if not any((args.results / f"{name}.json").is_file() for name in STUDIES):
-        raise fail(
-            f"nothing to summarise: no study results ({', '.join(n + '.json' for n in STUDIES)}) in "
-            f"{args.results}; run `otbrl variance` or `otbrl compare EXPERIMENT` first, or pass "
-            "--results DIR (after `otbrl compare walk --quick`: runs/compare-quick/results)"
-        )
-    page = write_claims(args.results)
-    print(f"wrote {page}")
-    if args.readme is not None:
-        try:
-            sync_readme(args.readme, page)
-        except ValueError as err:
-            raise fail(str(err)) from None
-        print(f"updated the evidence section of {args.readme}")
-
-
-def variance_command(args: argparse.Namespace, rest: list[str]) -> None:
-    if rest:
-        args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.out is None and args.quick:  # a smoke run's pages go under the current directory
-        args.out = Path("runs/variance-quick")
-    try:
-        variance.main(args)
+        page = compare(args.config, args.arms, args.seeds, out, parse_overrides(rest, raw=True))
     except ValueError as err:
         raise fail(str(err)) from None
+    except RewardFailure as err:
+        raise fail(f"run stopped: {err}", code=1) from None
+    print()
+    print(page.read_text())
+    print(f"wrote {page} and {page.with_suffix('.png').name}")
+
+
+def recipes_command(args: argparse.Namespace, rest: list[str]) -> None:
+    print("\n".join(recipe_names()))
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Their command lines.
 
 Subparsers = Any  # what ArgumentParser.add_subparsers returns (its class is private to argparse)
+
+
+def int_list(text: str) -> list[int]:
+    """'3,5,9-11' -> [3, 5, 9, 10, 11]."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"integers or ranges like 3,9-14, got {text!r}") from None
+    return out
 
 
 def add_recipes(sub: Subparsers) -> argparse.ArgumentParser:
@@ -172,63 +144,16 @@ def add_demo(sub: Subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _int_list(text: str) -> list[int]:
-    """'3,5,9-11' -> [3, 5, 9, 10, 11]."""
-    out: list[int] = []
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            out += range(int(lo), int(hi or lo) + 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"integers or ranges like 3,9-14, got {text!r}") from None
-    return out
-
-
 def add_compare(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "compare", help="training runs over arms (estimator, group size, ...) x seeds: table and plot"
+        "compare",
+        help="train a recipe under several estimators x seeds: held-out table with paired intervals, plot",
     )
-    p.add_argument(
-        "experiment", help=f"an experiment file, or a packaged one: {', '.join(experiment_names())}"
-    )
-    p.add_argument("--quick", action="store_true", help="the experiment's short version (what CI runs)")
-    p.add_argument(
-        "--pilot", action="store_true", help="run the pilot seed's learning-rate choice (not reported)"
-    )
-    p.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (default 2)")
-    p.add_argument("--runs-dir", type=Path, help="where runs go (default runs/compare[-quick]/NAME)")
-    p.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
-    p.add_argument("--seeds", type=_int_list, help="train only these of the protocol's seeds (e.g. 9-14 or "
-                   "3,5): one machine's share; records from every share merge")  # fmt: skip
-    p.add_argument("--arms", type=lambda s: s.split(","), help="train only these arms (comma-separated)")
-    p.add_argument(
-        "--no-run",
-        action="store_true",
-        help="train nothing: rebuild the page from the committed run records alone (docs/results/runs/)",
-    )
-    p.add_argument(
-        "--amend",
-        metavar="REASON",
-        help="go on although the protocol changed since its first run started: the change and REASON are "
-        "recorded (claims.md lists them)",
-    )
-    return p
-
-
-def add_claims(sub: Subparsers) -> argparse.ArgumentParser:
-    p = sub.add_parser("claims", help="write claims.md from the studies' results (verdicts by rule)")
-    p.add_argument(
-        "--results", type=Path, default=Path("docs/results"), help="where the studies wrote their JSON"
-    )
-    p.add_argument(
-        "--readme", type=Path, help="also copy claims.md into this README's evidence section (its markers)"
-    )
-    return p
-
-
-def add_variance(sub: Subparsers) -> argparse.ArgumentParser:
-    p = sub.add_parser("variance", help="gradient variance of each estimator at a fixed checkpoint")
-    variance.add_arguments(p)
+    p.add_argument("--config", required=True, help="a recipe file, or a packaged recipe (as for train)")
+    p.add_argument("--arms", required=True, type=lambda s: s.split(","),
+                   help="estimators, comma-separated; the first is the reference (e.g. otb,grpo)")  # fmt: skip
+    p.add_argument("--seeds", type=int_list, default=[0, 1, 2], help="seeds, e.g. 0-4 or 1,3 (default 0-2)")
+    p.add_argument("--out", type=Path, help="where runs and the page go (default runs/compare-RECIPE)")
     return p
 
 
@@ -237,8 +162,6 @@ SUBCOMMANDS = {
     "demo": (add_demo, train_command),
     "recipes": (add_recipes, recipes_command),
     "compare": (add_compare, compare_command),
-    "claims": (add_claims, claims_command),
-    "variance": (add_variance, variance_command),
 }
 
 

@@ -2,7 +2,7 @@
 the final number of the answer. Wordings vary, but each prompt's side of the held-out split is decided by
 the problem it poses (its numbers), so no held-out problem is ever trained on in another wording.
 
-Chosen with a written pilot (benchmarks/llm_pilot.py -> docs/results/llm-pilot.md): both start between
+Chosen with a written pilot (studies/llm_pilot.py -> docs/results/llm-pilot.md): both start between
 10% and 60% correct at temperature 0.7, so groups have reward spread.
 """
 

@@ -33,10 +33,9 @@ from otbrl.tasks.tokenizer import char_tokenizer
 WARM_START_VERSION = 1
 
 
-# Warm starts that ship inside the package, so a fresh machine need not rebuild them (read-only). They are
-# the application's package data (otbrl/app/checkpoints, listed in pyproject's package-data), found by
-# package name through importlib.resources wherever otbrl is installed, not by a path relative to this file.
-SHIPPED = Path(str(importlib.resources.files("otbrl.app") / "checkpoints"))
+# Warm starts that ship inside the package, so a fresh machine need not rebuild them (read-only): package
+# data beside the tasks that use them (otbrl/tasks/checkpoints, listed in pyproject's package-data).
+SHIPPED = Path(str(importlib.resources.files("otbrl.tasks") / "checkpoints"))
 
 
 def default_cache_dir() -> Path:

@@ -204,36 +204,3 @@ def test_a_reward_function_that_fails_in_training_stops_the_run_with_its_text(
     )
     first = [r.getMessage() for r in caplog.records if r.name == "otbrl.rewards"]
     assert first and first[0].startswith("otbrl: reward function flaky failed: RuntimeError: grader unavail")
-
-
-def test_claims_and_variance_from_an_unrelated_directory(tmp_path, monkeypatch, capsys):
-    from pathlib import Path
-
-    from otbrl.app.studies import variance
-
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exc:
-        main(["claims"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.startswith("otbrl: nothing to summarise: no study results (")
-    assert "runs/compare-quick/results" in err
-    # variance --quick writes under the current directory, not a fixed folder of the system temp dir.
-    seen = []
-    monkeypatch.setattr(variance, "main", lambda args: seen.append(args.out))
-    main(["variance", "--quick"])
-    main(["variance", "--quick", "--out", "elsewhere"])
-    assert seen == [Path("runs/variance-quick"), Path("elsewhere")]
-
-
-def test_compare_seeds_take_lists_and_ranges_and_refuse_the_rest(capsys):
-    from otbrl.app.cli import _int_list, main
-
-    assert _int_list("3,9-11") == [3, 9, 10, 11] and _int_list("7") == [7]
-    with pytest.raises(SystemExit):
-        main(["compare", "walk3", "--seeds", "9-x"])
-    assert "integers or ranges" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--seeds and --arms choose reported runs"):
-        main(["compare", "walk3", "--pilot", "--seeds", "1"])
-    with pytest.raises(SystemExit, match="--no-run trains none"):
-        main(["compare", "walk3", "--no-run", "--arms", "otb-N4"])

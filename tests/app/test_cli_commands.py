@@ -27,7 +27,7 @@ class Recording(argparse.ArgumentParser):
         return action
 
 
-# The variance study declares its own arguments (otbrl/app/studies/variance.py); its --seed has no help yet.
+# The variance study declares its own arguments (studies/variance.py); its --seed has no help yet.
 KNOWN_WITHOUT_HELP = {("variance", "seed")}
 
 

@@ -20,7 +20,7 @@ Method (repeated on the results page):
   mean_k ||g_k - g_ref||^2 / ||g_ref||^2 (includes the reference's own noise); noise-to-signal
   trace Cov / ||E g||^2 with ||E g||^2 estimated without bias as ||mean g||^2 - trace Cov / K (scale-free:
   rloo and the group mean differ by the factor N / (N - 1)); cosine(mean g_k, g_ref). Same definitions
-  (`gradstats`) as `otbrl.app.studies.toy.gradient_study`, except that the noise-to-signal ratio is
+  (`gradstats`) as `studies.toy.gradient_study`, except that the noise-to-signal ratio is
   debiased for the small K here.
   Standard errors of variances and their ratios are delete-one jackknife over batches.
 - otb_exact uses exact ||grad_theta log pi(y_t)||^2 (`otbrl.exact`, one backward per token), so it runs on
@@ -48,10 +48,6 @@ import torch
 from tqdm.auto import tqdm
 
 import otbrl
-from otbrl.app.plots import plot_variance
-from otbrl.app.studies.claims import GROUP_MEAN, proxy_claim, variance_claim
-from otbrl.app.studies.gradstats import gradient_stats, nsr_ratio, pooled_correlations, variance_ratio
-from otbrl.app.studies.variance_page import ratio_name, report
 from otbrl.energy import token_energy
 from otbrl.exact import score_sq_norms
 from otbrl.lm import positions, predicting
@@ -59,6 +55,10 @@ from otbrl.rollout import Samples, sample
 from otbrl.stability import group_horizons
 from otbrl.tasks import dataset, get_task, warm_start
 from otbrl.tasks.warmstart import SHIPPED, default_cache_dir
+from studies.claims import GROUP_MEAN, proxy_claim, variance_claim
+from studies.gradstats import gradient_stats, nsr_ratio, pooled_correlations, variance_ratio
+from studies.plots import plot_variance
+from studies.variance_page import ratio_name, report
 
 # label -> (registered estimator, its options, which energy it reads: None, "proxy" or "exact")
 Setting = tuple[str, dict[str, Any], str | None]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from otbrl.app.studies.claims import comparison_rows, lr_decay_row, stability_row, write_claims
+from studies.claims import comparison_rows, lr_decay_row, stability_row, write_claims
 
 
 def _variance(otb: list[float], mean: list[float]) -> dict:
@@ -158,7 +158,7 @@ def test_primary_endpoint_and_phenomenon_in_the_rows(tmp_path) -> None:
     row = comparison_rows(_registered(res), "walk")[0]
     assert "held-out reward @100k (primary)" in row[1] and "the primary endpoint decides" in row[2]
     path = tmp_path / "walkp.yaml"
-    from otbrl.app.studies.experiment import EXPERIMENTS
+    from studies.experiment import EXPERIMENTS
 
     path.write_text((EXPERIMENTS / "walk.yaml").read_text() + "phenomenon: {length_cv_run: 0.3}\n")
     for arm in res["arms"].values():
@@ -196,7 +196,7 @@ def test_a_missing_role_is_a_clear_error(tmp_path) -> None:
 
 
 def test_the_readme_evidence_section_is_claims_md(tmp_path) -> None:
-    from otbrl.app.studies.claims import BEGIN, END, readme_block, sync_readme
+    from studies.claims import BEGIN, END, readme_block, sync_readme
 
     (tmp_path / "walk.json").write_text(json.dumps(_walk_result()))
     page = write_claims(tmp_path)
@@ -218,7 +218,7 @@ def test_the_readme_evidence_section_is_claims_md(tmp_path) -> None:
 def test_the_shipped_readme_states_what_claims_md_states() -> None:
     from pathlib import Path
 
-    from otbrl.app.studies.claims import BEGIN, END, readme_block
+    from studies.claims import BEGIN, END, readme_block
 
     root = Path(__file__).resolve().parents[2]
     readme, page = root / "README.md", root / "docs" / "results" / "claims.md"

@@ -1,6 +1,6 @@
 """A tabular autoregressive softmax policy whose policy gradient is known exactly: a testbed where
 baselines can be judged by bias and variance against the true gradient.
-`python -m otbrl.app.studies.toy` runs it.
+`python -m studies.toy` runs it.
 
 Each step t has its own logits theta[t, previous token], so a token's score e_y - pi lives in its own
 parameter block: the Logit-Gradient Proxy is exact here and W_t is the exact squared score norm.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import otbrl
-from otbrl.app.studies.gradstats import Moments, bias_z
+from studies.gradstats import Moments, bias_z
 
 
 @dataclass

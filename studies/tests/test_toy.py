@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from otbrl.app.studies import toy
+from studies import toy
 
 SETTINGS = {
     "none": ("dr_grpo", {}),  # with groups of one: plain REINFORCE, no baseline

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from otbrl.app.metrics import write_metrics
-from otbrl.app.pages import read_record, write_record
-from otbrl.app.studies import inference as power
-from otbrl.app.studies import runs
-from otbrl.app.studies.experiment import Experiment, load_experiment, plan
-from otbrl.app.studies.outcomes import analyse, analyse_rows
-from otbrl.app.studies.runs import (
+from studies import inference as power
+from studies import runs
+from studies.experiment import Experiment, load_experiment, plan
+from studies.outcomes import analyse, analyse_rows
+from studies.pages import read_record, write_record
+from studies.runs import (
     ProtocolChanged,
     compact,
     protocol,
@@ -115,7 +115,7 @@ def test_primary_endpoint_alone_decides_and_secondaries_cannot_veto(tmp_path) ->
         for arm, h in (("a", {200: base + noise, 400: base + gain}), ("b", {200: base, 400: base})):
             rows = _rows([0.3] * 5, heldout=h)
             results.append((arm, seed, rows))
-    from otbrl.app.studies.outcomes import compare_arms
+    from studies.outcomes import compare_arms
 
     per_arm: dict = {}
     for arm, seed, rows in results:
@@ -131,8 +131,8 @@ def test_primary_endpoint_alone_decides_and_secondaries_cannot_veto(tmp_path) ->
 
 
 def test_a_verdict_before_every_planned_seed_has_run_says_it_is_interim() -> None:
-    from otbrl.app.studies.compare import comparisons_table
-    from otbrl.app.studies.outcomes import compare_arms
+    from studies.compare import comparisons_table
+    from studies.outcomes import compare_arms
 
     spec = {"name": "c", "kind": "better", "candidate": "a", "baseline": "b", "budgets": [400],
             "primary": 400}  # fmt: skip
@@ -189,8 +189,8 @@ def test_seeds_needed_is_the_fewest_with_enough_power() -> None:
 
 
 def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
-    from otbrl.app.studies.compare import gate_problems
-    from otbrl.app.studies.experiment import pilot_plan
+    from studies.compare import gate_problems
+    from studies.experiment import pilot_plan
 
     path = tmp_path / "g.yaml"
     path.write_text(
@@ -206,7 +206,7 @@ def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
     for run in pilot_plan(exp, tmp_path / "runs"):
         arm, lr = run.arm.rpartition("@")[0], run.overrides["learning_rate"]
         score = 0.5 if (arm, lr) in (("a", 1e-4), ("b", 2e-4)) else 0.2  # the pick: a 1e-4, b 2e-4
-        from otbrl.app.studies.runs import comparable
+        from studies.runs import comparable
 
         write_record(record_path(records, run.arm, run.seed), {
             "overrides": comparable(run.overrides), "metrics": _rows([score] * 8),
@@ -222,7 +222,7 @@ def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
         rec["summary"]["held-out reward after"] = 0.3 + gains[(arm, lr)]
         write_record(p, rec)
     assert gate_problems(exp, results) == []
-    from otbrl.app.studies.compare import pilot_page
+    from studies.compare import pilot_page
 
     page, picks = pilot_page(exp, pilot_plan(exp, tmp_path / "runs"), results, "cmd", log=lambda _: None,
                              records=records)  # fmt: skip
@@ -232,7 +232,7 @@ def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
     assert "| a | 0.435 | 0.435 |" in text  # whole-run length CV: mean of 0.40 .. 0.47
     assert "![held-out and train reward of every pilot run](g-pilot.png)" in text
     assert (results / "g-pilot.png").stat().st_size > 10_000
-    from otbrl.app.studies.compare import pilot_curves
+    from studies.compare import pilot_curves
 
     curves, levels = pilot_curves(exp, pilot_plan(exp, tmp_path / "runs"), records, picks)
     assert levels == {"a": (1e-4, pytest.approx(0.35)), "b": (2e-4, pytest.approx(0.45))}  # step 0 + gain
@@ -267,7 +267,7 @@ def test_new_protocol_errors(tmp_path, extra, message) -> None:
 
 
 def test_packaged_gated_experiments_hold_enough_heldout_prompts() -> None:
-    from otbrl.app.studies.experiment import experiment_names
+    from studies.experiment import experiment_names
 
     for name in experiment_names():
         exp = load_experiment(name)
@@ -277,7 +277,7 @@ def test_packaged_gated_experiments_hold_enough_heldout_prompts() -> None:
 
 
 def test_a_page_is_rebuilt_from_committed_records_alone(tmp_path, monkeypatch) -> None:
-    from otbrl.app.studies.compare import compare
+    from studies.compare import compare
 
     exp = load_experiment("walk")
     records = tmp_path / "results" / "runs" / "walk"
@@ -293,7 +293,7 @@ def test_a_page_is_rebuilt_from_committed_records_alone(tmp_path, monkeypatch) -
 
 
 def test_the_ladder_table_shows_censored_runs_beside_collapses() -> None:
-    from otbrl.app.studies.outcomes import ladder_table
+    from studies.outcomes import ladder_table
 
     arm = {"seed_list": [0, 1, 2], "collapses": [None, 14, None], "censored": [True, False, False],
            "surges": 0, "clip_fraction": [0.0, 0.0, 0.0]}  # fmt: skip
@@ -301,7 +301,7 @@ def test_the_ladder_table_shows_censored_runs_beside_collapses() -> None:
 
 
 def test_the_ladder_table_shows_the_held_out_reward_at_the_end_of_each_rung() -> None:
-    from otbrl.app.studies.outcomes import ladder_table
+    from studies.outcomes import ladder_table
 
     def arm(held: list[float]) -> dict:
         return {"seed_list": [0, 1], "collapses": [None, None], "censored": [False, False], "surges": 0,
@@ -313,8 +313,8 @@ def test_the_ladder_table_shows_the_held_out_reward_at_the_end_of_each_rung() ->
 
 
 def test_a_step_bounded_experiment_reports_the_held_out_reward_at_the_end() -> None:
-    from otbrl.app.studies.compare import table
-    from otbrl.app.studies.experiment import load_experiment
+    from studies.compare import table
+    from studies.experiment import load_experiment
 
     exp = load_experiment("ladder")
     stats = {"seeds": 2, "heldout": {0: [0.3, 0.4]}, "held_out": [0.25, 0.35], "to_threshold": {},
@@ -329,7 +329,7 @@ def test_a_step_bounded_experiment_reports_the_held_out_reward_at_the_end() -> N
 def test_an_experiment_split_over_machines_merges_its_records(tmp_path, monkeypatch) -> None:
     """Two machines each train their share (`--seeds`/`--arms`); each record says where it ran, and the page
     of either reads both shares."""
-    from otbrl.app.studies.compare import compare, select
+    from studies.compare import compare, select
 
     exp = load_experiment("walk")
     with pytest.raises(ValueError, match=r"seeds \[99\] are not among"):

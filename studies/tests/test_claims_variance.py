@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from otbrl.app.studies.claims import proxy_claim, task_label, variance_claim
+from studies.claims import proxy_claim, task_label, variance_claim
 
 
 def _iv(lo: float, hi: float, k: int = 24) -> dict[str, float]:

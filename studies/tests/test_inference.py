@@ -1,4 +1,4 @@
-"""Paired intervals and verdicts of the studies (otbrl.app.studies.inference): the t interval against a
+"""Paired intervals and verdicts of the studies (studies.inference): the t interval against a
 float64 reference and its coverage on simulated seeds, and every verdict category."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("scipy")
 
-from otbrl.app.studies.inference import (  # noqa: E402
+from studies.inference import (  # noqa: E402
     HELD,
     INCONCLUSIVE,
     NOT_HELD,

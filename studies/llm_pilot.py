@@ -3,8 +3,8 @@ on candidate prompts before any training. A task qualifies when its starting acc
 60% (groups then have reward spread); the reasoning task must also let the model choose its length
 (within-group length CV >= 0.3) without most answers hitting the token limit.
 
-    .venv/bin/python benchmarks/llm_pilot.py          # ~8 min, writes docs/results/llm-pilot.md
-    .venv/bin/python benchmarks/llm_pilot.py --quick  # 4 prompts per candidate, to a temp file
+    .venv/bin/python -m studies.llm_pilot          # ~8 min, writes docs/results/llm-pilot.md
+    .venv/bin/python -m studies.llm_pilot --quick  # 4 prompts per candidate, to a temp file
 
 Each candidate: 8 prompts x 4 samples, chat template, otbrl's sampler at each temperature,
 bf16 autocast, scored by the final number (`final_number_reward`).
@@ -18,13 +18,12 @@ import time
 from collections.abc import Callable
 
 import torch
-from common import command_line, write_result
 
-from otbrl.app.pages import markdown_table
 from otbrl.app.recipe import load_recipe
 from otbrl.app.sources import choose_model, load_model, load_tokenizer
 from otbrl.rollout.sampler import sample
 from otbrl.tasks.chat import final_number_reward, make_rows, make_sum
+from studies.pages import command_line, markdown_table, write_result
 
 Make = Callable[[random.Random], tuple[str, str]]
 
@@ -125,7 +124,7 @@ def main() -> None:
         "candidate, chat template, otbrl's sampler under bf16 autocast; accuracy = final number correct; "
         "'groups with spread' = share of prompts whose 4 answers were not all scored alike."
     )
-    write_result(out, "Real-model task pilot: SmolLM2-135M-Instruct", "llm_pilot.py", quick, 1, description,
+    write_result(out, "Real-model task pilot: SmolLM2-135M-Instruct", "-m studies.llm_pilot", quick, 1, description,
                  table, verdict)  # fmt: skip
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from otbrl.app.metrics import moving_average, read_metrics
-from otbrl.app.pages import markdown_table, mean_sd, read_record
-from otbrl.app.plots import plot_arms, plot_figure, plot_pilot
+from otbrl.app.plots import plot_arms, plot_figure
 from otbrl.app.recipe import load_recipe
-from otbrl.app.studies.experiment import (
+from otbrl.tasks import get_task
+from studies.experiment import (
     Experiment,
     experiment_names,
     load_experiment,
@@ -22,8 +22,8 @@ from otbrl.app.studies.experiment import (
     plan,
     variance_plan,
 )
-from otbrl.app.studies.inference import power_plan, rule
-from otbrl.app.studies.outcomes import (
+from studies.inference import power_plan, rule
+from studies.outcomes import (
     SURGE_HISTORY,
     SURGE_SMOOTH,
     analyse,
@@ -31,8 +31,10 @@ from otbrl.app.studies.outcomes import (
     plot_ladder,
     plot_ladder_runs,
 )
-from otbrl.app.studies.outcomes import interval_json as _interval
-from otbrl.app.studies.runs import (
+from studies.outcomes import interval_json as _interval
+from studies.pages import markdown_table, mean_sd, read_record
+from studies.plots import plot_pilot
+from studies.runs import (
     ProtocolChanged,
     Run,
     execute,
@@ -43,7 +45,6 @@ from otbrl.app.studies.runs import (
     register,
     registration,
 )
-from otbrl.tasks import get_task
 
 # experiment_names: for otbrl.app.cli
 __all__ = ["ProtocolChanged", "compare", "events", "experiment_names", "pilot", "report", "table"]
@@ -674,7 +675,7 @@ def pilot_page(exp: Experiment, runs: list[Any], results: Path, command: str, lo
             "confidence limit of their SD; seeds: the fewest for which the verdict rule says held with "
             f"probability ≥ {target:g} when the true difference is δ ({exp.confidence:.0%} t interval above "
             "the floor; "
-            "`otbrl.app.studies.inference`). The YAML's `power.seeds` must be at least the largest.\n\n"
+            "`studies.inference`). The YAML's `power.seeds` must be at least the largest.\n\n"
             + markdown_table(["comparison", "kind", "primary budget", "seeds", "differences", "SD",
                               "SD planned", "floor", "δ", "seeds needed"], prow, aligned=False))  # fmt: skip
     if records is not None and (records / "superseded").is_dir():

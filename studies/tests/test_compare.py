@@ -13,17 +13,17 @@ pytest.importorskip("trl")
 pytest.importorskip("otbrl.integrations.trl")
 
 from otbrl.app.metrics import append_metrics, moving_average, read_metrics, write_metrics  # noqa: E402
-from otbrl.app.pages import markdown_table  # noqa: E402
-from otbrl.app.studies.compare import compare, comparisons_table, events, pilot_page, table  # noqa: E402
-from otbrl.app.studies.experiment import (  # noqa: E402
+from studies.compare import compare, comparisons_table, events, pilot_page, table  # noqa: E402
+from studies.experiment import (  # noqa: E402
     Experiment,
     experiment_names,
     load_experiment,
     pilot_plan,
     plan,
 )
-from otbrl.app.studies.outcomes import analyse, collapse_step, surge_steps  # noqa: E402
-from otbrl.app.studies.runs import Run  # noqa: E402
+from studies.outcomes import analyse, collapse_step, surge_steps  # noqa: E402
+from studies.pages import markdown_table  # noqa: E402
+from studies.runs import Run  # noqa: E402
 
 
 def test_centred_average_has_no_lag() -> None:
@@ -333,7 +333,7 @@ def test_quick_settings_win_over_each_arms_own(tmp_path, name) -> None:
 
 def test_ladder_figure_has_a_column_per_rung_and_marks_events(monkeypatch, tmp_path) -> None:
     """Every seed of every arm is drawn in its rung's column, with its collapse (x) and LR-decay (v)."""
-    from otbrl.app.studies import outcomes as ladder
+    from studies import outcomes as ladder
 
     figures = []
     monkeypatch.setattr(ladder, "save", lambda fig, path, **kw: figures.append(fig))

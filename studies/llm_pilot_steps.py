@@ -11,8 +11,8 @@ Rule, fixed before this pilot ran: a candidate qualifies when its starting accur
 those, the one with the highest length CV is the reasoning task (its training run then tests whether the
 variation lasts).
 
-    .venv/bin/python benchmarks/llm_pilot_steps.py          # ~6 min, writes docs/results/llm-pilot-steps.md
-    .venv/bin/python benchmarks/llm_pilot_steps.py --quick  # 4 prompts per candidate, to a temp file
+    .venv/bin/python -m studies.llm_pilot_steps          # ~6 min, writes docs/results/llm-pilot-steps.md
+    .venv/bin/python -m studies.llm_pilot_steps --quick  # 4 prompts per candidate, to a temp file
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ from __future__ import annotations
 import random
 
 import torch
-from common import command_line, write_result
 from llm_pilot import Make, probe
 
-from otbrl.app.pages import markdown_table
 from otbrl.app.recipe import load_recipe
 from otbrl.app.sources import choose_model, load_model, load_tokenizer
 from otbrl.tasks.chat import make_rows
+from studies.pages import command_line, markdown_table, write_result
 
 
 def rows_left(rng: random.Random) -> tuple[str, str]:
@@ -100,7 +99,7 @@ def main() -> None:
         "accuracy = final number correct. Rule (fixed before the run): 10-60% accuracy, length CV >= 0.3, "
         "at most 25% of answers at the cap; the highest length CV among those qualifying is picked."
     )
-    write_result(out, "Real-model multi-step task pilot: SmolLM2-135M-Instruct", "llm_pilot_steps.py", quick,
+    write_result(out, "Real-model multi-step task pilot: SmolLM2-135M-Instruct", "-m studies.llm_pilot_steps", quick,
                  1, description, table, verdict)  # fmt: skip
 
 

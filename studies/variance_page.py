@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from otbrl.app.pages import machine, markdown_table
+from studies.pages import machine, markdown_table
 
 
 def matching_group_size(curve: dict[int, float], target: float) -> str:

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otbrl.app.pages import markdown_table
 from otbrl.app.recipe import load_recipe
-from otbrl.app.studies.experiment import arm_names, load_experiment
-from otbrl.app.studies.inference import (
+from otbrl.tasks import dataset
+from studies.experiment import arm_names, load_experiment
+from studies.inference import (
     HELD,
     INCONCLUSIVE,
     NOT_HELD,
@@ -38,9 +38,9 @@ from otbrl.app.studies.inference import (
     t_interval,
     verdict,
 )
-from otbrl.app.studies.outcomes import cells, critical_lr, split, stability_verdict
-from otbrl.app.studies.variance_page import command, ratio_name, task_horizon
-from otbrl.tasks import dataset
+from studies.outcomes import cells, critical_lr, split, stability_verdict
+from studies.pages import markdown_table
+from studies.variance_page import command, ratio_name, task_horizon
 
 Row = tuple[str, str, str, str]  # claim, measurement, verdict, command
 

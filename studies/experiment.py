@@ -1,7 +1,7 @@
 """Experiment files for `otbrl compare`: arms (estimator, group size, learning rate, ...) x seeds over one
 base recipe, the roles their arms play in the paper's claims, and the plan of `otbrl train` runs.
 
-An experiment is a YAML file (packaged ones live in `otbrl/app/experiments/`):
+An experiment is a YAML file (packaged ones live in `studies/experiments/`):
 
     recipe: running_sum48          # base recipe for every run
     common: {max_steps: 100}       # overrides for every arm
@@ -48,9 +48,9 @@ from typing import Any
 import yaml
 
 from otbrl.app.recipe import load_recipe
-from otbrl.app.studies.runs import Run
+from studies.runs import Run
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parent / "experiments"
 # An arm's keys that are the experiment's, not recipe overrides: its own seeds, ladder rungs and pilot rates
 ARM_KEYS = ("seeds", "ladder", "pilot_learning_rates")
 # A pilot's keys that are the experiment's; any other key of `pilot:` is a recipe override for its runs

@@ -7,5 +7,5 @@ achieved; a learning-rate ladder's collapses) -> `inference` (paired intervals, 
 The variance study: `variance` (the policy gradient's noise at a fixed checkpoint, `otbrl variance`), its
 page `variance_page`, and `gradstats` (statistics of gradient estimates, shared with `toy`, an
 exact-gradient testbed). What training and benchmarks/ share with the studies lives below them, in
-`otbrl.app.pages`, `otbrl.app.plots` and `otbrl.app.metrics`.
+`studies.pages`, `otbrl.app.plots` and `otbrl.app.metrics`.
 """

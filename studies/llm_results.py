@@ -2,7 +2,7 @@
 curves (reward with held-out points, completion length and within-group length CV, gradient norm) and its
 per-step metrics, compressed, so the page can be checked against the data.
 
-    .venv/bin/python benchmarks/llm_results.py runs/smollm2-sums llm-sums "make demo-llm"
+    .venv/bin/python -m studies.llm_results runs/smollm2-sums llm-sums "make demo-llm"
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from common import RESULTS
-
 from otbrl.app.metrics import read_metrics
-from otbrl.app.pages import machine
 from otbrl.app.plots import plot_curves
+from studies.pages import RESULTS, machine
 
 
 def horizon(rows: list[dict]) -> str:
@@ -52,7 +50,7 @@ def main() -> None:
         machine(1),
         "",
         f"Command: `{command}` (recipe below). Per-step metrics: [{name}.metrics.jsonl.gz]"
-        f"({name}.metrics.jsonl.gz); this page: `python benchmarks/llm_results.py RUN_DIR {name} "
+        f"({name}.metrics.jsonl.gz); this page: `python -m studies.llm_results RUN_DIR {name} "
         f"'{command}'`.",
         "",
         (run / "summary.md").read_text().strip(),

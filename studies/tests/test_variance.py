@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import otbrl
-from otbrl.app.cli import main
-from otbrl.app.studies import gradstats as gs
-from otbrl.app.studies import variance as v
-from otbrl.app.studies.variance_page import command, matching_group_size
 from otbrl.rollout import Samples
+from studies import gradstats as gs
+from studies import variance as v
+from studies.cli import main
+from studies.variance_page import command, matching_group_size
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_quick_run_writes_the_table_with_every_estimator(tmp_path, capsys):
 def test_raw_variance_reading_survives_the_json_round_trip():
     """The page is rendered from results read back from JSON too, where N keys are strings: N=16 must
     still sort after N=4 (a lexicographic sort gave "needs N <= 16" for "~16")."""
-    from otbrl.app.studies.variance_page import _verdict
+    from studies.variance_page import _verdict
 
     per_n = {}
     for n, (gm, otb) in {4: (1.0, 0.25), 8: (0.5, 0.3), 16: (0.25, 0.2)}.items():

@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from otbrl.app.metrics import moving_average, read_metrics
-from otbrl.app.pages import markdown_table, read_record
 from otbrl.app.plots import MARKERS, STYLES, pyplot, save
-from otbrl.app.studies.experiment import Experiment
-from otbrl.app.studies.inference import NOT_TESTED, Interval, combine, paired, t_interval, verdict
-from otbrl.app.studies.runs import Run, environment_label, has_record, record_path
+from studies.experiment import Experiment
+from studies.inference import NOT_TESTED, Interval, combine, paired, t_interval, verdict
+from studies.pages import markdown_table, read_record
+from studies.runs import Run, environment_label, has_record, record_path
 
 SURGE_SMOOTH, SURGE_HISTORY = 5, 20
 

@@ -4,12 +4,14 @@ measured on, markdown tables (the one table writer), a mean ± sd cell, and the 
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import math
 import os
 import platform
 import statistics
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -75,3 +77,42 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
 def read_record(path: Path) -> dict[str, Any]:
     with gzip.open(path, "rt") as f:
         return json.load(f)
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the repository's docs/results
+
+
+def command_line(description: str, quick_help: str, filename: str) -> tuple[bool, Path, int]:
+    """Parse --quick / --out. Returns (quick, output path, torch threads). Quick runs write to the temp
+    directory unless --out says otherwise, so they never overwrite the measured tables in docs/."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=f"{quick_help}; output to a temp file")
+    parser.add_argument("--out", type=Path, help="markdown output path")
+    args = parser.parse_args()
+    out = args.out or (Path(tempfile.gettempdir()) if args.quick else RESULTS) / filename
+    threads = torch.get_num_threads()
+    print(machine(threads))
+    return args.quick, out, threads
+
+
+def write_result(
+    out: Path,
+    title: str,
+    script: str,
+    quick: bool,
+    threads: int,
+    description: str,
+    table: str,
+    verdict: str,
+    env: str = "",
+) -> None:
+    """Write a results page: title, machine, the command that regenerates it (`script`: a file of
+    benchmarks/, or "-m studies.NAME"; after `env`, e.g. "OMP_NUM_THREADS=1 "), what was measured, the table and the verdict computed from it."""
+    where = script if script.startswith("-m ") else f"benchmarks/{script}"  # a suite module, or a script
+    command = f"{env}.venv/bin/python {where}" + (" --quick" if quick else "")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        f"# {title}\n\nMachine: {machine(threads)}.\n\nRegenerate (from the repo root): `{command}`\n\n"
+        f"{description}\n\n{table}\n\n{verdict}\n"
+    )
+    print(f"wrote {out}")

@@ -9,7 +9,7 @@ those that did not, how many it would have fired on anyway. This measures the de
 trigger in time is necessary, not sufficient, for the decay to prevent a collapse.
 
 Regenerate (from the repo root, after `otbrl compare ladder`):
-    python benchmarks/decay_timing.py    # reads the committed run records (docs/results/runs/ladder/),
+    python -m studies.decay_timing    # reads the committed run records (docs/results/runs/ladder/),
                                          # else runs/compare/ladder; writes docs/results/decay_timing.md
 """
 
@@ -21,10 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from otbrl.app.pages import markdown_table
-from otbrl.app.studies.experiment import load_experiment, plan
-from otbrl.app.studies.outcomes import analyse, split
 from otbrl.stability import LengthSurgeDecay
+from studies.experiment import load_experiment, plan
+from studies.outcomes import analyse, split
+from studies.pages import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 # (label, overrides of the ladder's own detector settings): its own first, then more sensitive ones
@@ -110,7 +110,7 @@ def main() -> None:
         "",
         __doc__.split("\n\n")[1].replace("\n", " "),
         "",
-        f"Regenerate: `python benchmarks/decay_timing.py` (from the committed run records in "
+        f"Regenerate: `python -m studies.decay_timing` (from the committed run records in "
         f"`docs/results/runs/{exp.name}/`, after `otbrl compare {exp.name}`). Replayed on "
         f"the {n} base runs of `{exp.name}` (arms {', '.join(sorted(base_runs))}); detector settings of the "
         f"decay arms: {', '.join(f'{k} {v}' for k, v in sorted(own.items()))}, with the overrides named "

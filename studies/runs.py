@@ -33,7 +33,7 @@ from typing import Any
 
 from otbrl.app.heldout_cache import ENV as HELDOUT_CACHE_ENV
 from otbrl.app.metrics import read_metrics
-from otbrl.app.pages import read_record, write_record
+from studies.pages import read_record, write_record
 
 try:  # a progress bar where tqdm is installed (it comes with otbrl[trl]); plain log lines otherwise
     from tqdm.auto import tqdm

@@ -1,0 +1,147 @@
+"""The evidence suite's command: `python -m studies SUBCOMMAND` from the repository's root.
+
+python -m studies compare EXPERIMENT [--quick|--pilot] [--jobs 2] [--seeds 9-14]   registered experiments
+python -m studies claims [--results docs/results] [--readme README.md]           the claims page
+python -m studies variance [--quick] [--out DIR] [...]                           gradient noise per estimator
+
+Each run of an experiment is an `otbrl train` run in its own process; the suite adds what a user's own
+comparison (`otbrl compare`) does not need: registered protocols, pilots and gates, power, verdict rules.
+A bad experiment or argument ends in one line starting `studies:` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from otbrl.app.cli import CliError, int_list
+from studies import variance
+from studies.claims import STUDIES, sync_readme, write_claims
+from studies.compare import compare, experiment_names, pilot
+
+
+def fail(message: str, code: int = 2) -> CliError:
+    """Print `studies: message` (one line) to stderr and return the exception that exits with `code`."""
+    text = f"studies: {message}"
+    print(text, file=sys.stderr)
+    return CliError(text, code)
+
+
+def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
+    if rest:
+        raise fail(f"compare: unexpected arguments {rest}")
+    if args.pilot and args.quick:
+        raise fail("compare: --pilot and --quick do not go together")
+    where = dict(jobs=args.jobs, runs_dir=args.runs_dir, results=args.results, amend=args.amend)
+    if args.pilot and (args.seeds or args.arms):
+        raise fail("compare: --seeds and --arms choose reported runs; the pilot runs whole")
+    if args.no_run and (args.seeds or args.arms):
+        raise fail("compare: --seeds and --arms choose runs to train; --no-run trains none")
+    try:
+        if args.pilot:
+            page, failures = pilot(args.experiment, **where, train=not args.no_run)[0], []
+        else:
+            page, failures = compare(args.experiment, quick=args.quick, **where, train=not args.no_run,
+                                     seeds=args.seeds, arms=args.arms)  # fmt: skip
+    except (ValueError, RuntimeError) as err:
+        raise fail(str(err)) from None
+    print(f"\nwrote {page}" + ("" if args.pilot else " (+ .png, .json)"))
+    if failures:
+        raise SystemExit("studies compare: failed runs:\n" + "\n".join(failures))
+
+
+def claims_command(args: argparse.Namespace, rest: list[str]) -> None:
+    if not any((args.results / f"{name}.json").is_file() for name in STUDIES):
+        raise fail(
+            f"nothing to summarise: no study results ({', '.join(n + '.json' for n in STUDIES)}) in "
+            f"{args.results}; run `python -m studies variance` or `python -m studies compare EXPERIMENT` "
+            "first, or pass --results DIR (after `python -m studies compare walk --quick`: "
+            "runs/compare-quick/results)"
+        )
+    page = write_claims(args.results)
+    print(f"wrote {page}")
+    if args.readme is not None:
+        try:
+            sync_readme(args.readme, page)
+        except ValueError as err:
+            raise fail(str(err)) from None
+        print(f"updated the evidence section of {args.readme}")
+
+
+def variance_command(args: argparse.Namespace, rest: list[str]) -> None:
+    if rest:
+        args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.out is None and args.quick:  # a smoke run's pages go under the current directory
+        args.out = Path("runs/variance-quick")
+    try:
+        variance.main(args)
+    except ValueError as err:
+        raise fail(str(err)) from None
+
+
+def add_compare(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "compare", help="training runs over arms (estimator, group size, ...) x seeds: table and plot"
+    )
+    p.add_argument(
+        "experiment", help=f"an experiment file, or a packaged one: {', '.join(experiment_names())}"
+    )
+    p.add_argument("--quick", action="store_true", help="the experiment's short version (what CI runs)")
+    p.add_argument(
+        "--pilot", action="store_true", help="run the pilot seed's learning-rate choice (not reported)"
+    )
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (default 2)")
+    p.add_argument("--runs-dir", type=Path, help="where runs go (default runs/compare[-quick]/NAME)")
+    p.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
+    p.add_argument("--seeds", type=int_list, help="train only these of the protocol's seeds (e.g. 9-14 or "
+                   "3,5): one machine's share; records from every share merge")  # fmt: skip
+    p.add_argument("--arms", type=lambda s: s.split(","), help="train only these arms (comma-separated)")
+    p.add_argument(
+        "--no-run",
+        action="store_true",
+        help="train nothing: rebuild the page from the committed run records alone (docs/results/runs/)",
+    )
+    p.add_argument(
+        "--amend",
+        metavar="REASON",
+        help="go on although the protocol changed since its first run started: the change and REASON are "
+        "recorded (claims.md lists them)",
+    )
+    return p
+
+
+def add_claims(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("claims", help="write claims.md from the studies' results (verdicts by rule)")
+    p.add_argument(
+        "--results", type=Path, default=Path("docs/results"), help="where the studies wrote their JSON"
+    )
+    p.add_argument(
+        "--readme", type=Path, help="also copy claims.md into this README's evidence section (its markers)"
+    )
+    return p
+
+
+def add_variance(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("variance", help="gradient variance of each estimator at a fixed checkpoint")
+    variance.add_arguments(p)
+    return p
+
+
+Subparsers = Any  # what ArgumentParser.add_subparsers returns (its class is private to argparse)
+
+SUBCOMMANDS = {
+    "compare": (add_compare, compare_command),
+    "claims": (add_claims, claims_command),
+    "variance": (add_variance, variance_command),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m studies", description="otbrl's evidence suite.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add, command in SUBCOMMANDS.values():
+        add(sub).set_defaults(command_fn=command, parser=parser)
+    args, rest = parser.parse_known_args(argv)
+    args.command_fn(args, rest)
