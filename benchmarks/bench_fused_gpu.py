@@ -135,9 +135,13 @@ def main() -> None:
             fn = blocks(bn, bv, bk)
             diff = ((fn(*inputs) - reference).abs() / reference.abs().clamp_min(1e-30)).max().item()
             block_rows.append(
-                [f"{tokens} x {vocab} x {hidden_size}", f"{bn} x {bv} x {bk}",
-                 f"{measure(lambda fn=fn, x=inputs: fn(*x), repeats=5)['ms']:.2f}", f"{diff:.1e}"]
-            )  # fmt: skip
+                [
+                    f"{tokens} x {vocab} x {hidden_size}",
+                    f"{bn} x {bv} x {bk}",
+                    f"{measure(lambda fn=fn, x=inputs: fn(*x), repeats=5)['ms']:.2f}",
+                    f"{diff:.1e}",
+                ]
+            )
             print(block_rows[-1], flush=True)
     header = ["tokens", "V", "H"] + [f"{k} ms" for k in METHODS] + ["Triton / floor", "torch fused / floor"]
     header += [f"{k} peak MiB" for k in METHODS]
@@ -168,8 +172,16 @@ def main() -> None:
         "token). Times are medians of 10 calls after a warm-up (CUDA events); peak is the extra allocated "
         "GPU memory of one call (inputs excluded)."
     )
-    write_result(out, "Fused per-token statistics on a GPU (bf16)", "bench_fused_gpu.py", quick, threads,
-                 description, table, verdict)  # fmt: skip
+    write_result(
+        out,
+        "Fused per-token statistics on a GPU (bf16)",
+        "bench_fused_gpu.py",
+        quick,
+        threads,
+        description,
+        table,
+        verdict,
+    )
 
 
 if __name__ == "__main__":

@@ -436,10 +436,13 @@ def escape_cpu() -> str:
         _, controllers, path = line.split(":", 2)
         if "cpuacct" in controllers.split(","):
             mount = next(
-                (m.split()[1] for m in Path("/proc/self/mounts").read_text().splitlines()
-                 if m.split()[2] == "cgroup" and "cpuacct" in m.split()[3].split(",")),
+                (
+                    m.split()[1]
+                    for m in Path("/proc/self/mounts").read_text().splitlines()
+                    if m.split()[2] == "cgroup" and "cpuacct" in m.split()[3].split(",")
+                ),
                 None,
-            )  # fmt: skip
+            )
             home = None if mount is None else Path(mount) / path.lstrip("/")
     if home is None or not os.access(home, os.W_OK):
         return "not measured: no writable v1 cpuacct cgroup"
@@ -488,10 +491,19 @@ ESCAPE_CASES = [
     ("keyring", "1. read the caller's session key (KEYCTL_READ)", escape_keyring, ()),
     ("packet_ring", "2. user namespace + AF_PACKET ring of 512 MiB, `memory_mb=64`", escape_packet_ring, ()),
     ("sighup", "3. orphaned process group: SIGHUP to the sandbox's group", escape_simple, (ORPHANED_GROUP,)),
-    ("oom", "4. `oom_score_adj=0`, tmpfs files written by small programs, `memory_mb=64`", escape_simple,
-     (OOM_VICTIM,), {"memory_mb": 64, "max_file_mb": 64}),
-    ("eagain", "5. prints 'Resource temporarily unavailable', exits 1", escape_simple,
-     ("import sys\nsys.stderr.write('Resource temporarily unavailable\\n')\nsys.exit(1)",)),
+    (
+        "oom",
+        "4. `oom_score_adj=0`, tmpfs files written by small programs, `memory_mb=64`",
+        escape_simple,
+        (OOM_VICTIM,),
+        {"memory_mb": 64, "max_file_mb": 64},
+    ),
+    (
+        "eagain",
+        "5. prints 'Resource temporarily unavailable', exits 1",
+        escape_simple,
+        ("import sys\nsys.stderr.write('Resource temporarily unavailable\\n')\nsys.exit(1)",),
+    ),
     ("sigxcpu", "5. sends itself SIGXCPU", escape_simple, ("import os\nos.kill(os.getpid(), 24)",)),
     ("threads", "5. 64 threads under `max_processes=8`", escape_simple, (THREADS,), {"max_processes": 8}),
     ("cpu", "6. six busy processes, `cpu_s=1`", escape_cpu, ()),
@@ -501,7 +513,7 @@ ESCAPE_CASES = [
     ("arg_mem", "8. `memory_mb=2**44`", escape_argument, ({"memory_mb": 2**44},)),
     ("arg_out", "8. `max_output_bytes=1.5`", escape_argument, ({"max_output_bytes": 1.5},)),
     ("arg_bool", "8. `timeout_s=True`", escape_argument, ({"timeout_s": True},)),
-]  # fmt: skip
+]
 
 
 def escape_case(key: str) -> dict:

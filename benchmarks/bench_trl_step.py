@@ -52,11 +52,18 @@ def make_model(layers: int, seed: int = 0) -> Qwen2ForCausalLM:
     """The tiny presets' Qwen2 (tied embeddings, character vocabulary), hidden 384 and `layers` layers."""
     small = tiny_config("small")
     config = Qwen2Config(
-        vocab_size=small.vocab_size, hidden_size=384, intermediate_size=4 * 384, num_hidden_layers=layers,
-        num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=small.max_position_embeddings,
-        tie_word_embeddings=True, pad_token_id=small.pad_token_id, bos_token_id=small.bos_token_id,
+        vocab_size=small.vocab_size,
+        hidden_size=384,
+        intermediate_size=4 * 384,
+        num_hidden_layers=layers,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        max_position_embeddings=small.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=small.pad_token_id,
+        bos_token_id=small.bos_token_id,
         eos_token_id=small.eos_token_id,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
 
@@ -73,19 +80,37 @@ def run(arm: str, path: str, layers: int, steps: int) -> tuple[float, float, str
     estimator = "dr_grpo" if arm == "dr_grpo" else "otb"
     with tempfile.TemporaryDirectory() as out:
         args = OTBGRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to=[],
-            save_strategy="no", logging_strategy="no", max_steps=steps, learning_rate=0.0,
-            per_device_train_batch_size=32, num_generations=8, max_completion_length=24,
-            num_iterations=2, beta=0.0, seed=0, disable_tqdm=True, advantage_estimator=estimator,
+            output_dir=out,
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            max_steps=steps,
+            learning_rate=0.0,
+            per_device_train_batch_size=32,
+            num_generations=8,
+            max_completion_length=24,
+            num_iterations=2,
+            beta=0.0,
+            seed=0,
+            disable_tqdm=True,
+            advantage_estimator=estimator,
             temperature=1.0,
-        )  # fmt: skip
+        )
         clock = StepClock()
         cls = OwnForward if arm == "otb + own forward" else OTBGRPOTrainer
         extra = {"rollout_func": rollout_func((), max_turns=0, workers=1)} if path == "rollout_func" else {}
         trainer = cls(
-            model=make_model(layers), reward_funcs=reward, args=args, processing_class=char_tokenizer(),
-            train_dataset=Dataset.from_list(dataset(TASK, 64, seed=0)), callbacks=[clock], **extra,
-        )  # fmt: skip
+            model=make_model(layers),
+            reward_funcs=reward,
+            args=args,
+            processing_class=char_tokenizer(),
+            train_dataset=Dataset.from_list(dataset(TASK, 64, seed=0)),
+            callbacks=[clock],
+            **extra,
+        )
         trainer.train()
     return statistics.mean(clock.cpu[2:]), statistics.mean(clock.wall[2:]), trainer.energy_source
 
@@ -119,10 +144,16 @@ def main() -> None:
             per_rep = [a / b for a, b in zip(times[(path, arm)], base, strict=True)]
             ratio = statistics.median(per_rep)
             ratios[(path, arm)] = ratio
-            rows.append([
-                path, arm, sources[(path, arm)] or "none", " / ".join(f"{t:.2f}" for t in times[(path, arm)]),
-                f"{ratio:.3f}x", " / ".join(f"{t:.2f}" for t in walls[(path, arm)]),
-            ])  # fmt: skip
+            rows.append(
+                [
+                    path,
+                    arm,
+                    sources[(path, arm)] or "none",
+                    " / ".join(f"{t:.2f}" for t in times[(path, arm)]),
+                    f"{ratio:.3f}x",
+                    " / ".join(f"{t:.2f}" for t in walls[(path, arm)]),
+                ]
+            )
     header = ["generation", "arm", "energy from", "CPU s/step (each repeat)", "CPU vs dr_grpo (median)"]
     table = markdown_table([*header, "wall s/step (each repeat)"], rows)
     shared = [ratios[("generate", "otb")], ratios[("rollout_func", "otb")]]

@@ -29,7 +29,15 @@ from studies.pages import (  # noqa: E402
 )
 
 # re-exported for the scripts
-__all__ = ["RESULTS", "command_line", "machine", "markdown_table", "read_record", "write_record", "write_result"]
+__all__ = [
+    "RESULTS",
+    "command_line",
+    "machine",
+    "markdown_table",
+    "read_record",
+    "write_record",
+    "write_result",
+]
 
 
 def _status_mib(field: str) -> float:
@@ -62,5 +70,3 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
     fn must be a module-level function and its result picklable."""
     with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
-
-

@@ -37,10 +37,18 @@ FAMILIES = {
     "Cohere (logit_scale 4)": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 4.0}),
 }
 COMMON = dict(
-    vocab_size=52, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-    num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
-    bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
+    vocab_size=52,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 @torch.no_grad()
@@ -68,8 +76,9 @@ def families(rows: int, n: int) -> list[list[str]]:
         ids, attention = torch.randint(3, 52, (rows, 8), generator=g), torch.ones(rows, 8, dtype=torch.long)
         ids[0, :3], attention[0, :3] = 0, 0
         for _ in range(n):
-            logits = model(input_ids=ids, attention_mask=attention,
-                           position_ids=(attention.cumsum(-1) - 1).clamp(min=0)).logits[:, -1]  # fmt: skip
+            logits = model(
+                input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0)
+            ).logits[:, -1]
             nxt = torch.multinomial(torch.softmax(logits.double() / T, -1), 1, generator=g)
             ids, attention = torch.cat([ids, nxt], 1), torch.cat([attention, torch.ones_like(nxt)], 1)
         ref = reference(model, ids, attention, n)
@@ -109,8 +118,14 @@ def multiturn(prompts: int) -> list[list[str]]:
     ours = completion_energy(model, ids, attention, width, T)
     table = []
     for label, keep in (("before the first tool output", before_tool), ("after a tool output", after_tool)):
-        table.append([f"tir_product3, tokens {label} ({int(keep.sum())})", f"{worst(old, ref, keep):.2g}",
-                      f"{worst(ours, ref, keep):.2g}", f"{worst(sampled, ref, keep):.2g}"])  # fmt: skip
+        table.append(
+            [
+                f"tir_product3, tokens {label} ({int(keep.sum())})",
+                f"{worst(old, ref, keep):.2g}",
+                f"{worst(ours, ref, keep):.2g}",
+                f"{worst(sampled, ref, keep):.2g}",
+            ]
+        )
     return table
 
 

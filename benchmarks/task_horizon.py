@@ -134,12 +134,19 @@ def sample_task(
         answers = [r["answer"] for r in part for _ in range(samples)]
         rewards += [task.reward(t, a) for t, a in zip(s.texts, answers, strict=True)]
     return {
-        "task": task.name, "warm start reward": info["reward"], "warm start seconds": info["seconds"],
-        "warm start steps": info["steps"], "budget": task.max_completion_tokens, "prompts": prompts,
-        "samples": samples, "sampling seconds": time.perf_counter() - start,
-        "lengths": [int(x) for x in lengths], "energies": [float(f"{e:.6g}") for e in energies],
-        "rewards": rewards, "ended": [bool(e) for e in ended],
-    }  # fmt: skip
+        "task": task.name,
+        "warm start reward": info["reward"],
+        "warm start seconds": info["seconds"],
+        "warm start steps": info["steps"],
+        "budget": task.max_completion_tokens,
+        "prompts": prompts,
+        "samples": samples,
+        "sampling seconds": time.perf_counter() - start,
+        "lengths": [int(x) for x in lengths],
+        "energies": [float(f"{e:.6g}") for e in energies],
+        "rewards": rewards,
+        "ended": [bool(e) for e in ended],
+    }
 
 
 def stats_from_samples(raw: dict[str, Any]) -> dict[str, Any]:

@@ -132,4 +132,3 @@ def realized_energy(energy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """
     keep = check_mask(mask)
     return check_token_values("energy", energy, keep, nonnegative=True).cumsum(dim=-1)
-

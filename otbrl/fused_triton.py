@@ -39,13 +39,26 @@ def dot_dtype(hidden: torch.dtype, weight: torch.dtype, interpreting: bool = Fal
 
 @triton.jit
 def _token_stats_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, tokens_ptr,
-    logprob_ptr, spsq_ptr, energy_ptr, entropy_ptr,
-    n_tokens, vocab, hidden_size, inv_temperature,
-    stride_h, stride_w,
-    HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    tokens_ptr,
+    logprob_ptr,
+    spsq_ptr,
+    energy_ptr,
+    entropy_ptr,
+    n_tokens,
+    vocab,
+    hidden_size,
+    inv_temperature,
+    stride_h,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n_tokens
     label_id = tl.load(tokens_ptr + rows, mask=row_ok, other=0)
@@ -62,10 +75,16 @@ def _token_stats_kernel(
         for k0 in range(0, hidden_size, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < hidden_size
-            h = tl.load(hidden_ptr + rows[:, None] * stride_h + ks[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-            w = tl.load(weight_ptr + cols[:, None] * stride_w + ks[None, :],
-                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            h = tl.load(
+                hidden_ptr + rows[:, None] * stride_h + ks[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                weight_ptr + cols[:, None] * stride_w + ks[None, :],
+                mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
             # tl.dot needs equal operand dtypes; .to is a no-op where a tile already has DOT_DTYPE
             h, w = h.to(DOT_DTYPE), w.to(DOT_DTYPE)
             if DOT_DTYPE == tl.float32:
@@ -129,11 +148,22 @@ def triton_token_stats(
     bias_arg = bias.contiguous() if bias is not None else hidden  # never read without HAS_BIAS
     grid = (triton.cdiv(n, block_n),)
     _token_stats_kernel[grid](
-        hidden, weight, bias_arg, tokens.contiguous(), *outs,
-        n, weight.shape[0], hidden_size, 1.0 / temperature,
-        hidden.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None, DOT_DTYPE=_TL_DTYPES[dot],
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k,
-    )  # fmt: skip
+        hidden,
+        weight,
+        bias_arg,
+        tokens.contiguous(),
+        *outs,
+        n,
+        weight.shape[0],
+        hidden_size,
+        1.0 / temperature,
+        hidden.stride(0),
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        DOT_DTYPE=_TL_DTYPES[dot],
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_K=block_k,
+    )
     check_finalized(*outs[:2])
     return TokenStats(*outs)

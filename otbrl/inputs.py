@@ -130,10 +130,7 @@ def check_temperature(temperature: Any) -> float:
     elif isinstance(value, np.generic) and not isinstance(value, np.bool_):
         value = value.item()
     ok = (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
+        isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
     )
     if not ok:
         raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")

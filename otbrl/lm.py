@@ -194,9 +194,12 @@ def final_hidden(
     handle = decoder_of(model).register_forward_hook(grab)
     try:
         out = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask),
-            use_cache=False, logits_to_keep=logits_to_keep,
-        )  # fmt: skip
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions(attention_mask),
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+        )
     finally:
         handle.remove()
     if len(seen) != 1:
@@ -308,8 +311,18 @@ def completion_energy(
     model.eval()
     try:
         for r0 in range(0, input_ids.shape[0], rows):
-            out.append(_rows_energy(model, input_ids[r0 : r0 + rows], attention_mask[r0 : r0 + rows], n,
-                                    temperature, from_logits, head, transform))  # fmt: skip
+            out.append(
+                _rows_energy(
+                    model,
+                    input_ids[r0 : r0 + rows],
+                    attention_mask[r0 : r0 + rows],
+                    n,
+                    temperature,
+                    from_logits,
+                    head,
+                    transform,
+                )
+            )
     finally:
         model.train(was_training)
     energy = torch.cat(out) if out else torch.zeros(0, n, device=input_ids.device)
@@ -317,16 +330,25 @@ def completion_energy(
 
 
 def _rows_energy(
-    model: Any, ids: torch.Tensor, attn: torch.Tensor, n: int, temperature: float, from_logits: bool,
-    head: torch.nn.Module, transform: HeadTransform,
+    model: Any,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    n: int,
+    temperature: float,
+    from_logits: bool,
+    head: torch.nn.Module,
+    transform: HeadTransform,
 ) -> torch.Tensor:
     """(rows, n) energy of the last n tokens of `ids`, from one call of the model."""
     y = ids[:, ids.shape[1] - n :]
     if from_logits:
         logits = model(
-            input_ids=ids, attention_mask=attn, position_ids=positions(attn), use_cache=False,
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=positions(attn),
+            use_cache=False,
             logits_to_keep=n + 1,
-        ).logits  # fmt: skip
+        ).logits
         return token_energy(predicting(logits, n), y, temperature).float()
     hidden, _ = final_hidden(model, ids, attn)
     return head_energy(head, transform, predicting(hidden, n), y, temperature)

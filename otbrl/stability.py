@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 # MAD times this estimates the standard deviation of normal noise.
 _MAD_TO_STD = 1.4826
 
+
 def update_energy(advantages: torch.Tensor, energy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Logit-space squared norm of each trajectory's update, sum_t A_t^2 w_t m_t.
 
@@ -66,8 +67,9 @@ def batch_diagnostics(advantages: torch.Tensor, energy: torch.Tensor, mask: torc
     }
 
 
-def group_horizons(mask: torch.Tensor, energy: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Tensor
-                   ) -> dict[str, float]:  # fmt: skip
+def group_horizons(
+    mask: torch.Tensor, energy: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Tensor
+) -> dict[str, float]:
     """How much trajectories differ inside their groups, the setting OTB's per-token weights act in.
 
     mask, energy: (B, T); rewards, group_ids: (B,). Rows without a policy token are left out; only
@@ -95,8 +97,12 @@ def group_horizons(mask: torch.Tensor, energy: torch.Tensor, rewards: torch.Tens
         if e.norm() > 0 and y.norm() > 0:
             corr.append((e @ y / (e.norm() * y.norm())).item())
     avg = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
-    return {"horizon/length_cv": avg(length_cv), "horizon/energy_cv": avg(energy_cv),
-            "horizon/reward_spread": avg(spread), "horizon/energy_reward_corr": avg(corr)}  # fmt: skip
+    return {
+        "horizon/length_cv": avg(length_cv),
+        "horizon/energy_cv": avg(energy_cv),
+        "horizon/reward_spread": avg(spread),
+        "horizon/energy_reward_corr": avg(corr),
+    }
 
 
 class SurgeDetector:
@@ -205,11 +211,17 @@ class LengthSurgeDecay:
             if not ok:
                 raise ValueError(f"{name}: must be {rule}, got {value!r}")
         self.config: dict[str, Any] = {
-            "factor": float(factor), "threshold": float(threshold), "zscore": float(zscore),
-            "smoothing": float(smoothing), "window": int(window), "warmup": int(warmup),
-            "patience": int(patience), "cooldown": int(cooldown), "min_factor": float(min_factor),
+            "factor": float(factor),
+            "threshold": float(threshold),
+            "zscore": float(zscore),
+            "smoothing": float(smoothing),
+            "window": int(window),
+            "warmup": int(warmup),
+            "patience": int(patience),
+            "cooldown": int(cooldown),
+            "min_factor": float(min_factor),
             "on_grad_surge": bool(on_grad_surge),
-        }  # fmt: skip
+        }
         self.history: deque[float] = deque(maxlen=int(window))
         self.ema: float | None = None
         self.multiplier = 1.0
@@ -268,15 +280,22 @@ class LengthSurgeDecay:
         self.multiplier = max(self.multiplier * c["factor"], c["min_factor"])
         self.streak, self.cooldown_left = 0, c["cooldown"]
         record = {
-            "step": self.steps, "reason": self.fired, "ema": self.ema,
-            "median": base[0] if base else None, "multiplier": self.multiplier,
-        }  # fmt: skip
+            "step": self.steps,
+            "reason": self.fired,
+            "ema": self.ema,
+            "median": base[0] if base else None,
+            "multiplier": self.multiplier,
+        }
         self.triggers.append(record)
         median = "n/a" if base is None else f"{base[0]:.1f}"
         logger.warning(
             "length-surge LR decay at step %d (%s): smoothed length %s vs median %s; LR multiplier now %.4g",
-            self.steps, self.fired, "n/a" if self.ema is None else f"{self.ema:.1f}", median, self.multiplier,
-        )  # fmt: skip
+            self.steps,
+            self.fired,
+            "n/a" if self.ema is None else f"{self.ema:.1f}",
+            median,
+            self.multiplier,
+        )
 
     def update(
         self,
@@ -294,11 +313,16 @@ class LengthSurgeDecay:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "config": dict(self.config), "history": list(self.history), "ema": self.ema,
-            "multiplier": self.multiplier, "steps": self.steps, "streak": self.streak,
-            "cooldown_left": self.cooldown_left, "fired": self.fired,
+            "config": dict(self.config),
+            "history": list(self.history),
+            "ema": self.ema,
+            "multiplier": self.multiplier,
+            "steps": self.steps,
+            "streak": self.streak,
+            "cooldown_left": self.cooldown_left,
+            "fired": self.fired,
             "triggers": [dict(t) for t in self.triggers],
-        }  # fmt: skip
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a saved state, its configuration included. The multiplier is not re-applied to any

@@ -76,22 +76,46 @@ def breakdown(model: Any, tokenizer: Any, repeats: int) -> list[list[str]]:
         ctx = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)  # noqa: E731
         net.eval()
         with ctx():
-            out = decode(net, ids, mask, MAX_NEW, TEMPERATURE, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                         generator=gen)  # fmt: skip
+            out = decode(
+                net,
+                ids,
+                mask,
+                MAX_NEW,
+                TEMPERATURE,
+                tokenizer.eos_token_id,
+                tokenizer.pad_token_id,
+                generator=gen,
+            )
         completion, cmask = out.completion_ids, out.completion_mask
         full, full_mask = torch.cat([ids, completion], 1), torch.cat([mask, cmask], 1)
 
         def otbrl_sample() -> None:
             with ctx():
-                decode(net, ids, mask, MAX_NEW, TEMPERATURE, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                       generator=torch.Generator().manual_seed(0))  # fmt: skip
+                decode(
+                    net,
+                    ids,
+                    mask,
+                    MAX_NEW,
+                    TEMPERATURE,
+                    tokenizer.eos_token_id,
+                    tokenizer.pad_token_id,
+                    generator=torch.Generator().manual_seed(0),
+                )
 
         def hf_generate() -> None:
             with ctx(), torch.no_grad():
                 n = completion.shape[1]
-                net.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=TEMPERATURE,
-                             top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
-                             pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                net.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=TEMPERATURE,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
 
         def energy_forward() -> None:
             with ctx():
@@ -114,11 +138,13 @@ def breakdown(model: Any, tokenizer: Any, repeats: int) -> list[list[str]]:
             opt.zero_grad(set_to_none=False)
 
         forward_backward()  # gradients exist for the optimizer's timing
-        for name, call in [("sampling, transformers' generate", hf_generate),
-                           ("sampling, otbrl's KV-cache sampler (+ log-probs, energy)", otbrl_sample),
-                           ("energy, own no-grad forward", energy_forward),
-                           ("policy loss, forward + backward", forward_backward),
-                           ("AdamW step", optimizer_step)]:  # fmt: skip
+        for name, call in [
+            ("sampling, transformers' generate", hf_generate),
+            ("sampling, otbrl's KV-cache sampler (+ log-probs, energy)", otbrl_sample),
+            ("energy, own no-grad forward", energy_forward),
+            ("policy loss, forward + backward", forward_backward),
+            ("AdamW step", optimizer_step),
+        ]:
             t = cpu_median(call, repeats)
             pieces.setdefault(name, []).append(t)
             print(f"{label:14s} {name:58s} {t:7.2f} s", flush=True)
@@ -144,28 +170,53 @@ def run_arm(arm: str, model: Any, tokenizer: Any, steps: int) -> dict[str, Any]:
         generated.append(sum(len(ids) for ids in completion_ids))
         return [TASK.reward(completion_text(c), a) for c, a in zip(completions, answer, strict=True)]
 
-    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
-            for r in dataset(TASK, 64, seed=0, split="train")]  # fmt: skip
+    rows = [
+        {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+        for r in dataset(TASK, 64, seed=0, split="train")
+    ]
     plain = arm.startswith("TRL")
     with tempfile.TemporaryDirectory() as out:
         common = dict(
-            output_dir=out, use_cpu=True, bf16=True, gradient_checkpointing=False, report_to=[],
-            save_strategy="no", logging_strategy="no", max_steps=steps, learning_rate=0.0,
-            per_device_train_batch_size=PROMPTS * N, num_generations=N, max_completion_length=MAX_NEW,
-            temperature=TEMPERATURE, beta=0.0, seed=0, disable_tqdm=True, lr_scheduler_type="constant",
-        )  # fmt: skip
+            output_dir=out,
+            use_cpu=True,
+            bf16=True,
+            gradient_checkpointing=False,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            max_steps=steps,
+            learning_rate=0.0,
+            per_device_train_batch_size=PROMPTS * N,
+            num_generations=N,
+            max_completion_length=MAX_NEW,
+            temperature=TEMPERATURE,
+            beta=0.0,
+            seed=0,
+            disable_tqdm=True,
+            lr_scheduler_type="constant",
+        )
         clock = StepClock()
         if plain:
-            trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**common),
-                                  processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
-                                  callbacks=[clock])  # fmt: skip
+            trainer = GRPOTrainer(
+                model=model,
+                reward_funcs=reward,
+                args=GRPOConfig(**common),
+                processing_class=tokenizer,
+                train_dataset=Dataset.from_list(rows),
+                callbacks=[clock],
+            )
         else:
             estimator = arm.partition(",")[0]
             extra = {"rollout_func": sampler_rollout_func()} if "sampler" in arm else {}
-            trainer = OTBGRPOTrainer(model=model, reward_funcs=reward,
-                                     args=OTBGRPOConfig(**common, advantage_estimator=estimator),
-                                     processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
-                                     callbacks=[clock], **extra)  # fmt: skip
+            trainer = OTBGRPOTrainer(
+                model=model,
+                reward_funcs=reward,
+                args=OTBGRPOConfig(**common, advantage_estimator=estimator),
+                processing_class=tokenizer,
+                train_dataset=Dataset.from_list(rows),
+                callbacks=[clock],
+                **extra,
+            )
         trainer.train()
     return {
         "cpu": statistics.mean(clock.cpu[1:]),
@@ -191,17 +242,28 @@ def main() -> None:
         for arm in ARMS if rep % 2 == 0 else ARMS[::-1]:
             res = run_arm(arm, model, tokenizer, steps + 1)
             results.setdefault(arm, []).append(res)
-            print(f"repeat {rep} {arm:26s} cpu {res['cpu']:.2f} wall {res['wall']:.2f} s/step, "
-                  f"{res['tokens']:.0f} tokens/step ({res['source']})", flush=True)  # fmt: skip
+            print(
+                f"repeat {rep} {arm:26s} cpu {res['cpu']:.2f} wall {res['wall']:.2f} s/step, "
+                f"{res['tokens']:.0f} tokens/step ({res['source']})",
+                flush=True,
+            )
 
     base = results[ARMS[0]]
-    ratio = {arm: statistics.median(r["cpu"] / b["cpu"] for r, b in zip(results[arm], base, strict=True))
-             for arm in ARMS}  # fmt: skip
-    step_rows = [[
-        arm, results[arm][0]["source"] or "-", " / ".join(f"{r['cpu']:.1f}" for r in results[arm]),
-        " / ".join(f"{r['tokens'] / r['cpu']:.1f}" for r in results[arm]), f"{ratio[arm]:.3f}x",
-        " / ".join(f"{r['wall']:.1f}" for r in results[arm]),
-    ] for arm in ARMS]  # fmt: skip
+    ratio = {
+        arm: statistics.median(r["cpu"] / b["cpu"] for r, b in zip(results[arm], base, strict=True))
+        for arm in ARMS
+    }
+    step_rows = [
+        [
+            arm,
+            results[arm][0]["source"] or "-",
+            " / ".join(f"{r['cpu']:.1f}" for r in results[arm]),
+            " / ".join(f"{r['tokens'] / r['cpu']:.1f}" for r in results[arm]),
+            f"{ratio[arm]:.3f}x",
+            " / ".join(f"{r['wall']:.1f}" for r in results[arm]),
+        ]
+        for arm in ARMS
+    ]
     same_rollouts = statistics.median(
         a["cpu"] / b["cpu"] for a, b in zip(results[ARMS[3]], results[ARMS[2]], strict=True)
     )
@@ -219,7 +281,7 @@ def main() -> None:
                 "wall s/step",
             ],
             step_rows,
-        )  # fmt: skip
+        )
     )
     goal = ratio["otb, otbrl sampler"]
     verdict = (
@@ -235,8 +297,16 @@ def main() -> None:
         f"temperature {TEMPERATURE}; whole steps: learning rate 0, {steps} steps per run after 1 warm-up, "
         f"{repeats} repeats, arms alternated; torch threads 1."
     )
-    write_result(out, "Step time on a real model: SmolLM2-135M-Instruct", "-m studies.bench_llm_step", quick, 1,
-                 description, table, verdict)  # fmt: skip
+    write_result(
+        out,
+        "Step time on a real model: SmolLM2-135M-Instruct",
+        "-m studies.bench_llm_step",
+        quick,
+        1,
+        description,
+        table,
+        verdict,
+    )
 
 
 if __name__ == "__main__":

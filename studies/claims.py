@@ -57,8 +57,11 @@ def _k(tokens: float) -> str:
 def horizon_text(h: dict[str, float]) -> str:
     """'within-group length CV 0.53, energy CV 1.10, energy–reward correlation -0.31, reward spread in 92% of
     groups' from the keys of `stability.group_horizons` (without their prefix) that `h` has."""
-    labels = (("length_cv", "within-group length CV"), ("energy_cv", "energy CV"),
-              ("energy_reward_corr", "energy–reward correlation"))  # fmt: skip
+    labels = (
+        ("length_cv", "within-group length CV"),
+        ("energy_cv", "energy CV"),
+        ("energy_reward_corr", "energy–reward correlation"),
+    )
     parts = [f"{label} {h[key]:.2f}" for key, label in labels if key in h]
     if "reward_spread" in h:
         parts.append(f"reward spread in {h['reward_spread']:.0%} of groups")
@@ -87,8 +90,10 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
     """One row per comparison in `<experiment>.json` (written by `otbrl compare`)."""
     exp = load_experiment(experiment)
     if "comparisons" not in res:
-        raise ValueError(f"{experiment}.json: no paired comparisons (written by an older otbrl); rerun "
-                         f"`otbrl compare {experiment}`")  # fmt: skip
+        raise ValueError(
+            f"{experiment}.json: no paired comparisons (written by an older otbrl); rerun "
+            f"`otbrl compare {experiment}`"
+        )
     task = horizon(res, exp.recipe)
     missing = phenomenon_missing(res, exp)
     note = provenance(res, exp)
@@ -96,33 +101,48 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
     for c in res["comparisons"]:
         parts = []
         for h in c["heldout"]:
-            at = _k(h["budget"]) + (f" vs {_k(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"]
-                                    else "")  # fmt: skip
+            at = _k(h["budget"]) + (
+                f" vs {_k(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"] else ""
+            )
             role = " (primary)" if h.get("primary") else (" (secondary)" if "primary" in c else "")
             parts.append(f"held-out reward @{at}{role}: {_interval(h['interval'])}")
         for t in c["tokens"]:
-            parts.append(f"tokens saved to train reward {t['threshold']:g}: "
-                         f"{_interval(t['interval']).text(thousands=True)} (reached by {c['candidate']} in "
-                         f"{t['reached'][0]} seeds, by {c['baseline']} in {t['reached'][1]})")  # fmt: skip
+            parts.append(
+                f"tokens saved to train reward {t['threshold']:g}: "
+                f"{_interval(t['interval']).text(thousands=True)} (reached by {c['candidate']} in "
+                f"{t['reached'][0]} seeds, by {c['baseline']} in {t['reached'][1]})"
+            )
         for arm in (c["candidate"], c["baseline"]):  # did they learn at all? (first -> last 10% of steps)
             a = res["arms"].get(arm, {})
             if a.get("start") and a.get("final"):
-                parts.append(f"{arm} train reward {statistics.fmean(a['start']):.2f} → "
-                             f"{statistics.fmean(a['final']):.2f}")  # fmt: skip
+                parts.append(
+                    f"{arm} train reward {statistics.fmean(a['start']):.2f} → "
+                    f"{statistics.fmean(a['final']):.2f}"
+                )
         seeds = max((h["interval"]["n"] for h in c["heldout"]), default=0)
-        measured = (f"{task}; {c['candidate']} − {c['baseline']}, paired over {seeds} seeds, mean "
-                    f"[{exp.confidence:.0%} CI]: " + "; ".join(parts) + "."
-                    + (f" {note}" if note else ""))  # fmt: skip
+        measured = (
+            f"{task}; {c['candidate']} − {c['baseline']}, paired over {seeds} seeds, mean "
+            f"[{exp.confidence:.0%} CI]: " + "; ".join(parts) + "." + (f" {note}" if note else "")
+        )
         why = rule(c["kind"], c.get("margin", 0.0), exp.confidence)
-        decides = ("the primary endpoint decides; secondary ones are reported, not counted" if "primary" in c
-                   else "all endpoints must agree (registered before primary endpoints)")  # fmt: skip
+        decides = (
+            "the primary endpoint decides; secondary ones are reported, not counted"
+            if "primary" in c
+            else "all endpoints must agree (registered before primary endpoints)"
+        )
         result = c["verdict"]
         if missing:
             result, decides = NOT_TESTED, f"{decides}; not tested: {missing}"
         if c.get("interim"):  # in the bold verdict, so the README's headline carries it too
             result = f"{result}, {c['interim']}"
-        rows.append((c.get("claim", c["name"]), measured, f"**{result}** (rule: {why}; {decides})",
-                     f"`otbrl compare {experiment}`"))  # fmt: skip
+        rows.append(
+            (
+                c.get("claim", c["name"]),
+                measured,
+                f"**{result}** (rule: {why}; {decides})",
+                f"`otbrl compare {experiment}`",
+            )
+        )
     return rows
 
 
@@ -179,12 +199,15 @@ def provenance(res: dict[str, Any], exp: Any) -> str:
         stamps = res.get("protocols", {})
         text = []
         if reg.get("amendments"):
-            text.append(f"**protocol amended after its first run started** ({len(reg['amendments'])}x; see "
-                        "Protocol changes below)")  # fmt: skip
+            text.append(
+                f"**protocol amended after its first run started** ({len(reg['amendments'])}x; see "
+                "Protocol changes below)"
+            )
         other = {h: n for h, n in stamps.items() if h != current}
         if other:
-            text.append("runs under other protocols: "
-                        + ", ".join(f"{n} under {h}" for h, n in other.items()))  # fmt: skip
+            text.append(
+                "runs under other protocols: " + ", ".join(f"{n} under {h}" for h, n in other.items())
+            )
         if reg.get("committed") is False:
             text.append("its YAML was not committed when the first run started")
         return ("⚠ " + "; ".join(text) + ".") if text else ""
@@ -196,18 +219,22 @@ def provenance(res: dict[str, Any], exp: Any) -> str:
     if recipe.get("task"):
         sizes = int(recipe["train_size"]), int(recipe["eval_size"])
         share = heldout_overlap(recipe["task"], *sizes, exp.seeds)
-        parts.append(f"made before the held-out split: {share:.0%} of its held-out prompts were also "
-                     f"training prompts (seeds {exp.seeds[0]}–{exp.seeds[-1]})")  # fmt: skip
+        parts.append(
+            f"made before the held-out split: {share:.0%} of its held-out prompts were also "
+            f"training prompts (seeds {exp.seeds[0]}–{exp.seeds[-1]})"
+        )
     return "; ".join(parts) + "."
 
 
-def _collapsed_text(rungs: dict[float, dict[int, bool]], low: dict[float, dict[int, bool]] | None = None
-                    ) -> str:  # fmt: skip
+def _collapsed_text(
+    rungs: dict[float, dict[int, bool]], low: dict[float, dict[int, bool]] | None = None
+) -> str:
     out = []
     for lr, seeds in sorted(rungs.items()):
         ended = sum((low or {}).get(lr, {}).values())
-        out.append(f"{sum(seeds.values())}/{len(seeds)} @ {lr:g}"
-                   + (f" (+{ended} censored)" if ended else ""))  # fmt: skip
+        out.append(
+            f"{sum(seeds.values())}/{len(seeds)} @ {lr:g}" + (f" (+{ended} censored)" if ended else "")
+        )
     return ", ".join(out)
 
 
@@ -239,18 +266,27 @@ def stability_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
             crit = critical_lr(table[arm])
             crit_text = "none (no rung collapsed half its seeds)" if crit is None else f"{crit:g}"
             held = _heldout_text(res["arms"], arm)
-            parts.append(f"{arm}{' (control)' if arm == control else ''}: collapsed "
-                         f"{_collapsed_text(table[arm], low.get(arm))}; critical lr {crit_text}"
-                         + (f"; {held}" if held else ""))  # fmt: skip
+            parts.append(
+                f"{arm}{' (control)' if arm == control else ''}: collapsed "
+                f"{_collapsed_text(table[arm], low.get(arm))}; critical lr {crit_text}"
+                + (f"; {held}" if held else "")
+            )
     result, intervals = stability_verdict(res["arms"], cand, means, exp.confidence)
-    worst = {arm: {lr: {s: c or low.get(arm, {}).get(lr, {}).get(s, False) for s, c in seeds.items()}
-                   for lr, seeds in rungs.items()} for arm, rungs in table.items()}  # fmt: skip
+    worst = {
+        arm: {
+            lr: {s: c or low.get(arm, {}).get(lr, {}).get(s, False) for s, c in seeds.items()}
+            for lr, seeds in rungs.items()
+        }
+        for arm, rungs in table.items()
+    }
     result_worst, intervals_worst = stability_verdict(res["arms"], cand, means, exp.confidence, table=worst)
     parts += [f"collapses {b} − {cand} over (rung, seed): {ci}" for b, ci in intervals]
     n_low = sum(sum(seeds.values()) for arm in (cand, *means) for seeds in low.get(arm, {}).values())
     if n_low:
-        parts.append(f"with the {n_low} censored runs of these arms counted as collapses: "
-                     + "; ".join(f"{b} − {cand}: {ci}" for b, ci in intervals_worst))  # fmt: skip
+        parts.append(
+            f"with the {n_low} censored runs of these arms counted as collapses: "
+            + "; ".join(f"{b} − {cand}: {ci}" for b, ci in intervals_worst)
+        )
     decides = ""
     if result != result_worst:
         decides = f": censoring decides ({result} if censored runs survived, {result_worst} if not)"
@@ -259,11 +295,16 @@ def stability_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
         crit_c = critical_lr(table[control])
         crit_m = [critical_lr(table[m]) for m in means if m in table]
         if crit_c is not None and any(m is not None and crit_c <= m for m in crit_m):
-            parts.append(f"the N=16 control collapses at or below the N=4 group-mean arms' critical rate "
-                         f"({crit_c:g}): collapse here is not shown to come from small groups")  # fmt: skip
-    how = ("censored: ended with the trailing mean below the collapse level, too late to count" if exact else
-           "censored (estimated from the JSON: last 10% of steps' mean train reward below "
-           f"{exp.collapse_fraction:.0%} of the first 10%'s, not collapsed)")  # fmt: skip
+            parts.append(
+                f"the N=16 control collapses at or below the N=4 group-mean arms' critical rate "
+                f"({crit_c:g}): collapse here is not shown to come from small groups"
+            )
+    how = (
+        "censored: ended with the trailing mean below the collapse level, too late to count"
+        if exact
+        else "censored (estimated from the JSON: last 10% of steps' mean train reward below "
+        f"{exp.collapse_fraction:.0%} of the first 10%'s, not collapsed)"
+    )
     note = provenance(res, exp)
     return (
         "(c) OTB prevents the training collapse that small groups suffer at high learning rates.",
@@ -290,8 +331,9 @@ def censored_cells(arms: dict[str, Any], fraction: float) -> dict[str, dict[floa
             flags = list(a["censored"])
         else:
             ends = zip(a["collapses"], a.get("start", []), a.get("final", []), strict=False)
-            flags = [c is None and f is not None and st is not None and f < fraction * st
-                     for c, st, f in ends]  # fmt: skip
+            flags = [
+                c is None and f is not None and st is not None and f < fraction * st for c, st, f in ends
+            ]
         out.setdefault(base, {})[lr] = dict(zip(a["seed_list"], flags, strict=False))
     return out
 
@@ -305,8 +347,12 @@ def lr_decay_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
     exp = load_experiment(experiment)
     arms = res["arms"]
     table = cells(arms)
-    collapse_at = {(b, lr, seed): c for arm, a in arms.items() for (b, lr) in [split(arm)]
-                   for seed, c in zip(a["seed_list"], a["collapses"], strict=True)}  # fmt: skip
+    collapse_at = {
+        (b, lr, seed): c
+        for arm, a in arms.items()
+        for (b, lr) in [split(arm)]
+        for seed, c in zip(a["seed_list"], a["collapses"], strict=True)
+    }
     parts, verdicts = [], []
     for base, variant in exp.role("lr_decay").items():
         if not isinstance(variant, str):
@@ -325,11 +371,15 @@ def lr_decay_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
         for lr, seeds in sorted(mine.items()):
             theirs = table.get(base, {}).get(lr, {})
             diffs += [float(theirs[s]) - float(c) for s, c in seeds.items() if s in theirs]
-            parts.append(f"{base} collapsed {sum(theirs.values())}/{len(theirs)} @ {lr:g}, with the decay "
-                         f"{sum(seeds.values())}/{len(seeds)}")  # fmt: skip
+            parts.append(
+                f"{base} collapsed {sum(theirs.values())}/{len(theirs)} @ {lr:g}, with the decay "
+                f"{sum(seeds.values())}/{len(seeds)}"
+            )
         base_collapsed = sum(sum(table.get(base, {}).get(lr, {}).values()) for lr in mine)
-        parts.append(f"{variant}: {fired} LR-decay triggers, in {in_time} of the {base_collapsed} runs whose "
-                     "base collapsed before that collapse")  # fmt: skip
+        parts.append(
+            f"{variant}: {fired} LR-decay triggers, in {in_time} of the {base_collapsed} runs whose "
+            "base collapsed before that collapse"
+        )
         ci = t_interval(diffs, exp.confidence)
         verdicts.append(NOT_TESTED if in_time == 0 or base_collapsed == 0 else verdict("better", ci))
     return (
@@ -521,8 +571,9 @@ def protocol_changes(results: Path) -> list[str]:
     for folder in sorted((results / "runs").glob("*-pilot")):
         reg = _load_json(folder / "protocol.json")
         for a in (reg or {}).get("amendments", []):
-            lines.append(f"- `{folder.name}`: amended at {a['at']} (keys {', '.join(a['changed'])}): "
-                         f"{a['reason']}")  # fmt: skip
+            lines.append(
+                f"- `{folder.name}`: amended at {a['at']} (keys {', '.join(a['changed'])}): {a['reason']}"
+            )
     return lines
 
 
@@ -600,8 +651,11 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
     if superseded:
         pairs = [f"[{o}.md]({o}.md) by [{SUCCESSORS[o]}.md]({SUCCESSORS[o]}.md)" for o in superseded]
         lines += ["", "Superseded: " + ", ".join(pairs) + "."]
-    stopped = [f"`{n}` ({why}: [{n}-pilot.md]({n}-pilot.md))" for n, why in STOPPED_AT_PILOT.items()
-               if (results / f"{n}-pilot.md").is_file()]  # fmt: skip
+    stopped = [
+        f"`{n}` ({why}: [{n}-pilot.md]({n}-pilot.md))"
+        for n, why in STOPPED_AT_PILOT.items()
+        if (results / f"{n}-pilot.md").is_file()
+    ]
     if stopped:
         lines += ["", "Stopped at the pilot: " + "; ".join(stopped) + "."]
     if missing:
@@ -624,18 +678,27 @@ def readme_block(claims_md: Path, readme: Path) -> str:
         if len(cells) == 4 and cells[0] != "claim" and not set(cells[0]) <= set("-"):
             verdict = re.match(r"\*\*([^*]+)\*\*|([^:(]+)", cells[2])
             where = re.search(r"--task (\S+)|compare (\S+?)`", cells[3])
-            rows.append([cells[0], f"`{where[1] or where[2]}`" if where else "—",
-                         f"**{(verdict[1] or verdict[2]).strip()}**" if verdict else cells[2]])  # fmt: skip
+            rows.append(
+                [
+                    cells[0],
+                    f"`{where[1] or where[2]}`" if where else "—",
+                    f"**{(verdict[1] or verdict[2]).strip()}**" if verdict else cells[2],
+                ]
+            )
         keeping = line.startswith(("**Protocol changes", "Not run yet", "Superseded", "Stopped at")) or (
             keeping and (line.startswith("- ") or line == "")
         )
         if keeping or (line == "" and keep and keep[-1] != ""):
             keep.append(line)
     body = "\n".join(
-        [markdown_table(["claim", "experiment", "verdict"], rows, aligned=False), "",
-         f"Measurements, verdict rules and intervals: [claims.md]({prefix}/claims.md).", "",
-         *keep]
-    )  # fmt: skip
+        [
+            markdown_table(["claim", "experiment", "verdict"], rows, aligned=False),
+            "",
+            f"Measurements, verdict rules and intervals: [claims.md]({prefix}/claims.md).",
+            "",
+            *keep,
+        ]
+    )
     return re.sub(r"\]\(([\w.-]+\.(?:md|png))\)", lambda m: f"]({prefix}/{m.group(1)})", body).strip()
 
 

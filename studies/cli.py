@@ -43,8 +43,14 @@ def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
         if args.pilot:
             page, failures = pilot(args.experiment, **where, train=not args.no_run)[0], []
         else:
-            page, failures = compare(args.experiment, quick=args.quick, **where, train=not args.no_run,
-                                     seeds=args.seeds, arms=args.arms)  # fmt: skip
+            page, failures = compare(
+                args.experiment,
+                quick=args.quick,
+                **where,
+                train=not args.no_run,
+                seeds=args.seeds,
+                arms=args.arms,
+            )
     except (ValueError, RuntimeError) as err:
         raise fail(str(err)) from None
     print(f"\nwrote {page}" + ("" if args.pilot else " (+ .png, .json)"))
@@ -95,8 +101,12 @@ def add_compare(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (default 2)")
     p.add_argument("--runs-dir", type=Path, help="where runs go (default runs/compare[-quick]/NAME)")
     p.add_argument("--results", type=Path, help="where the page goes (default docs/results; quick: runs/)")
-    p.add_argument("--seeds", type=int_list, help="train only these of the protocol's seeds (e.g. 9-14 or "
-                   "3,5): one machine's share; records from every share merge")  # fmt: skip
+    p.add_argument(
+        "--seeds",
+        type=int_list,
+        help="train only these of the protocol's seeds (e.g. 9-14 or "
+        "3,5): one machine's share; records from every share merge",
+    )
     p.add_argument("--arms", type=lambda s: s.split(","), help="train only these arms (comma-separated)")
     p.add_argument(
         "--no-run",

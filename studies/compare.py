@@ -86,24 +86,46 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
     budgets = sorted({b for s in result["arms"].values() for b in s["heldout"]})
     # runs bounded by steps, not tokens (the ladder), are scored once more at their end
     end = not any(budgets) and any(v == v for s in result["arms"].values() for v in s.get("held_out", []))
-    head = ["arm", "seeds", *(f"held-out @{_k(b)}" if b else "held-out @0 (start)" for b in budgets),
-            *(["held-out at the end"] if end else []),
-            *(f"tokens to {th:g} (reached)" for th in exp.thresholds),
-            "final train reward", "length CV (run)", "tokens", "steps", "train s", "clipped", "surges",
-            "collapsed (step)", "censored"]  # fmt: skip
+    head = [
+        "arm",
+        "seeds",
+        *(f"held-out @{_k(b)}" if b else "held-out @0 (start)" for b in budgets),
+        *(["held-out at the end"] if end else []),
+        *(f"tokens to {th:g} (reached)" for th in exp.thresholds),
+        "final train reward",
+        "length CV (run)",
+        "tokens",
+        "steps",
+        "train s",
+        "clipped",
+        "surges",
+        "collapsed (step)",
+        "censored",
+    ]
     rows = []
     for arm, s in result["arms"].items():
         reach = [
             f"{mean_sd(ts)} ({sum(t is not None for t in ts)}/{s['seeds']})"
             for ts in (s["to_threshold"][th] for th in exp.thresholds)
         ]
-        rows.append([
-            arm, s["seeds"], *(mean_sd(s["heldout"].get(b, [])) for b in budgets),
-            *([mean_sd(s["held_out"])] if end else []), *reach,
-            mean_sd(s["final"]), mean_sd(s.get("length_cv_run", [])), mean_sd(s["total_tokens"]),
-            _whole(s["steps_run"]), _whole(s["train_seconds"]), mean_sd(s["clip_fraction"]), s["surges"],
-            _collapsed(s), f"{sum(s.get('censored', []))}/{s['seeds']}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                arm,
+                s["seeds"],
+                *(mean_sd(s["heldout"].get(b, [])) for b in budgets),
+                *([mean_sd(s["held_out"])] if end else []),
+                *reach,
+                mean_sd(s["final"]),
+                mean_sd(s.get("length_cv_run", [])),
+                mean_sd(s["total_tokens"]),
+                _whole(s["steps_run"]),
+                _whole(s["train_seconds"]),
+                mean_sd(s["clip_fraction"]),
+                s["surges"],
+                _collapsed(s),
+                f"{sum(s.get('censored', []))}/{s['seeds']}",
+            ]
+        )
     return markdown_table(head, rows, aligned=False)
 
 
@@ -112,45 +134,87 @@ def comparisons_table(result: dict[str, Any]) -> str:
     rows = []
     for c in result["comparisons"]:
         for h in c["heldout"]:
-            at = _k(h["budget"]) + (f" vs {_k(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"]
-                                    else "")  # fmt: skip
+            at = _k(h["budget"]) + (
+                f" vs {_k(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"] else ""
+            )
             role = " (**primary**)" if h.get("primary") else (" (secondary)" if "primary" in c else "")
-            rows.append([c["name"], f"held-out reward @{at}, {c['candidate']} − {c['baseline']}{role}",
-                         str(h["interval"]), h["verdict"]])  # fmt: skip
+            rows.append(
+                [
+                    c["name"],
+                    f"held-out reward @{at}, {c['candidate']} − {c['baseline']}{role}",
+                    str(h["interval"]),
+                    h["verdict"],
+                ]
+            )
         for t in c["tokens"]:
-            endpoint = (f"tokens saved to {t['threshold']:g} ({c['baseline']} − {c['candidate']}; "
-                        f"reached in {t['reached'][0]} and {t['reached'][1]} seeds)"
-                        + (" (secondary)" if "primary" in c else ""))  # fmt: skip
+            endpoint = (
+                f"tokens saved to {t['threshold']:g} ({c['baseline']} − {c['candidate']}; "
+                f"reached in {t['reached'][0]} and {t['reached'][1]} seeds)"
+                + (" (secondary)" if "primary" in c else "")
+            )
             rows.append([c["name"], endpoint, t["interval"].text(thousands=True), t["verdict"]])
         kind = c["kind"] + (f", margin {c['margin']:g}" if c["kind"] == "matches" else "")
-        rows.append([c["name"], "**verdict**", kind,
-                     f"**{c['verdict']}**" + (f" ({c['interim']})" if c.get("interim") else "")])  # fmt: skip
+        rows.append(
+            [
+                c["name"],
+                "**verdict**",
+                kind,
+                f"**{c['verdict']}**" + (f" ({c['interim']})" if c.get("interim") else ""),
+            ]
+        )
     return markdown_table(["comparison", "endpoint", "mean [95% CI] (seeds)", "verdict"], rows, aligned=False)
 
 
 def where_table(result: dict[str, Any]) -> str:
     """The primary endpoints' paired differences grouped by where each side was trained: when runs were
     split over machines, a check that the machine does not stand in for the arm (not part of any verdict)."""
-    rows = [[c["name"], f"held-out @{_k(h['budget'])}", g["candidate"], g["baseline"], g["seeds"],
-             f"{g['mean']:+.3f}"]
-            for c in result["comparisons"] for h in c["heldout"] if h.get("primary") or "primary" not in c
-            for g in h.get("by_where", [])]  # fmt: skip
-    return ("Where each pair was trained (primary endpoints; mean paired difference by machine, a check "
-            "beside the verdict and not part of it; \"not recorded\": a record made before records named "
-            "their machine):\n\n"
-            + markdown_table(["comparison", "endpoint", "candidate trained on", "baseline trained on",
-                              "seeds", "mean difference"], rows, aligned=False))  # fmt: skip
+    rows = [
+        [
+            c["name"],
+            f"held-out @{_k(h['budget'])}",
+            g["candidate"],
+            g["baseline"],
+            g["seeds"],
+            f"{g['mean']:+.3f}",
+        ]
+        for c in result["comparisons"]
+        for h in c["heldout"]
+        if h.get("primary") or "primary" not in c
+        for g in h.get("by_where", [])
+    ]
+    return (
+        "Where each pair was trained (primary endpoints; mean paired difference by machine, a check "
+        'beside the verdict and not part of it; "not recorded": a record made before records named '
+        "their machine):\n\n"
+        + markdown_table(
+            [
+                "comparison",
+                "endpoint",
+                "candidate trained on",
+                "baseline trained on",
+                "seeds",
+                "mean difference",
+            ],
+            rows,
+            aligned=False,
+        )
+    )
 
 
 def events(result: dict[str, Any]) -> str:
     """Per run with any event: first gradient-norm surge, first LR-decay trigger, collapse (steps)."""
     rows = [
-        [arm, r["seed"], r["surges"][0] if r["surges"] else "—", r["decays"][0] if r["decays"] else "—",
-         "—" if r["collapse"] is None else r["collapse"]]
+        [
+            arm,
+            r["seed"],
+            r["surges"][0] if r["surges"] else "—",
+            r["decays"][0] if r["decays"] else "—",
+            "—" if r["collapse"] is None else r["collapse"],
+        ]
         for arm, runs in result["runs"].items()
         for r in runs
         if r["surges"] or r["decays"] or r["collapse"] is not None
-    ]  # fmt: skip
+    ]
     if not rows:
         return "No surges, LR-decay triggers or collapses."
     head = ["arm", "seed", "first grad-norm surge", "first LR-decay trigger", "collapse"]
@@ -196,8 +260,9 @@ def definitions(exp: Experiment) -> str:
     )
 
 
-def report(exp: Experiment, result: dict[str, Any], results: Path, command: str, seconds: float,
-           failures: list[str]) -> Path:  # fmt: skip
+def report(
+    exp: Experiment, result: dict[str, Any], results: Path, command: str, seconds: float, failures: list[str]
+) -> Path:
     """Write `<results>/<name>.md` (+ .png and a .json of the per-arm numbers and comparisons)."""
     results.mkdir(parents=True, exist_ok=True)
     run_minutes = sum(r["train_seconds"] for runs in result["runs"].values() for r in runs) / 60
@@ -210,10 +275,20 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
         plot_arms(result, png, title, _smoothing(exp))
     base = load_recipe(exp.recipe, {**exp.common, **exp.forced})
     setting = ", ".join(
-        f"{k} {base[k]}" for k in ("task", "model", "learning_rate", "lr_scheduler_type", "warmup_steps",
-                                   "max_generated_tokens", "max_completion_length", "temperature",
-                                   "eval_size") if k in base
-    )  # fmt: skip
+        f"{k} {base[k]}"
+        for k in (
+            "task",
+            "model",
+            "learning_rate",
+            "lr_scheduler_type",
+            "warmup_steps",
+            "max_generated_tokens",
+            "max_completion_length",
+            "temperature",
+            "eval_size",
+        )
+        if k in base
+    )
     arms = "\n".join(f"- `{a}`: {json.dumps(o)}, seeds {exp.arm_seeds(a)}" for a, o in exp.arms.items())
     parts_protocol = protocol_text(exp, result)
     prompts = result["prompt_problems"]
@@ -229,12 +304,17 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
         f"Regenerate: `{command}` (runs resume: finished ones are kept). Training time summed over the runs: "
         f"{run_minutes:.0f} min; wall time of the invocation that wrote this page: {seconds / 60:.1f} min.",
         f"Setting: {setting}; prompts per step {exp.prompts_per_step}; seeds {exp.seeds}"
-        + (f"; learning rates picked on pilot seed {exp.pilot['seed']} "
-           f"([{exp.name}-pilot.md]({exp.name}-pilot.md))" if exp.pilot else "") + ".",
+        + (
+            f"; learning rates picked on pilot seed {exp.pilot['seed']} "
+            f"([{exp.name}-pilot.md]({exp.name}-pilot.md))"
+            if exp.pilot
+            else ""
+        )
+        + ".",
         f"Arms:\n{arms}",
         parts_protocol,
         table(exp, result) + "\n\n" + SD_NOTE,
-    ]  # fmt: skip
+    ]
     if exp.ladder:
         fig_path = results / f"{exp.name}-collapse.png"
         title = f"{exp.name}: collapse against learning rate"
@@ -244,10 +324,15 @@ def report(exp: Experiment, result: dict[str, Any], results: Path, command: str,
             f"half the seeds collapsed):\n\n{ladder_table(result['arms'])}\n\n![collapse]({fig_path.name})"
         )
     if result["comparisons"]:
-        parts.append(f"Paired comparisons ({exp.confidence:.0%} t intervals over seeds):\n\n"
-                     + comparisons_table(result))  # fmt: skip
-        parts += [where_table(result)] if any(h.get("by_where") for c in result["comparisons"]
-                                              for h in c["heldout"]) else []  # fmt: skip
+        parts.append(
+            f"Paired comparisons ({exp.confidence:.0%} t intervals over seeds):\n\n"
+            + comparisons_table(result)
+        )
+        parts += (
+            [where_table(result)]
+            if any(h.get("by_where") for c in result["comparisons"] for h in c["heldout"])
+            else []
+        )
     parts += [
         f"Events by run (steps):\n\n{events(result)}",
         check,
@@ -267,11 +352,19 @@ def protocol_text(exp: Experiment, result: dict[str, Any]) -> str:
     stamps = result.get("protocols", {})
     if reg is None:
         runs = ", ".join(f"{n} under `{h}`" for h, n in stamps.items()) or "none"
-        return (f"Protocol: **not registered** (runs made before protocol registration). Runs: {runs}."
-                + where_text(result))  # fmt: skip
-    text = (f"Protocol: registered as `{reg['hash']}` at {reg['registered']} when the first run started "
-            + ("(its YAML committed then" + (f", {reg['commit'][:10]})" if reg.get("commit") else ")")
-               if reg.get("committed") else "(its YAML **not committed** then)") + ".")  # fmt: skip
+        return (
+            f"Protocol: **not registered** (runs made before protocol registration). Runs: {runs}."
+            + where_text(result)
+        )
+    text = (
+        f"Protocol: registered as `{reg['hash']}` at {reg['registered']} when the first run started "
+        + (
+            "(its YAML committed then" + (f", {reg['commit'][:10]})" if reg.get("commit") else ")")
+            if reg.get("committed")
+            else "(its YAML **not committed** then)"
+        )
+        + "."
+    )
     for a in reg.get("amendments", []):
         text += f" **Amended** at {a['at']} (`{a['hash']}`; keys {', '.join(a['changed'])}): {a['reason']}."
     runs = ", ".join(f"{n} under `{h}`" for h, n in stamps.items())
@@ -283,9 +376,14 @@ def where_text(result: dict[str, Any]) -> str:
     where = result.get("environments") or {}
     if not where or set(where) == {"not recorded"}:
         return ""
-    return " Trained on: " + "; ".join(f"{n} runs on {w}" if w != "not recorded" else
-                                       f"{n} runs whose record does not name the machine"
-                                       for w, n in where.items()) + "."  # fmt: skip
+    return (
+        " Trained on: "
+        + "; ".join(
+            f"{n} runs on {w}" if w != "not recorded" else f"{n} runs whose record does not name the machine"
+            for w, n in where.items()
+        )
+        + "."
+    )
 
 
 def to_json(result: dict[str, Any]) -> dict[str, Any]:
@@ -296,12 +394,19 @@ def to_json(result: dict[str, Any]) -> dict[str, Any]:
         tokens = [{**t, "interval": _interval(t["interval"])} for t in c["tokens"]]
         comparisons.append({**c, "heldout": heldout, "tokens": tokens})
     reg = result.get("registration")
-    return {"arms": result["arms"], "comparisons": comparisons, "prompt_problems": result["prompt_problems"],
-            "protocols": result.get("protocols", {}), "environments": result.get("environments", {}),
-            "first_started": result.get("first_started"),
-            "registration": None if reg is None else {k: v for k, v in reg.items() if k != "protocol"} | {
-                "amendments": [{k: v for k, v in a.items() if k != "protocol"} for a in reg["amendments"]]},
-            "heldout_split": result.get("heldout_split")}  # fmt: skip
+    return {
+        "arms": result["arms"],
+        "comparisons": comparisons,
+        "prompt_problems": result["prompt_problems"],
+        "protocols": result.get("protocols", {}),
+        "environments": result.get("environments", {}),
+        "first_started": result.get("first_started"),
+        "registration": None
+        if reg is None
+        else {k: v for k, v in reg.items() if k != "protocol"}
+        | {"amendments": [{k: v for k, v in a.items() if k != "protocol"} for a in reg["amendments"]]},
+        "heldout_split": result.get("heldout_split"),
+    }
 
 
 def _stamp(exp: Experiment, records: Path, kind: str, amend: str | None, quick: bool) -> dict[str, Any]:
@@ -335,10 +440,19 @@ def select(exp: Experiment, runs: list[Run], seeds: list[int] | None, arms: list
     return [r for r in runs if (seeds is None or r.seed in seeds) and (arms is None or r.arm in arms)]
 
 
-def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | None = None,
-            results: Path | None = None, log: Any = print, amend: str | None = None, train: bool = True,
-            seeds: list[int] | None = None, arms: list[str] | None = None
-            ) -> tuple[Path, list[str]]:  # fmt: skip
+def compare(
+    spec: str,
+    *,
+    quick: bool = False,
+    jobs: int = 2,
+    runs_dir: Path | None = None,
+    results: Path | None = None,
+    log: Any = print,
+    amend: str | None = None,
+    train: bool = True,
+    seeds: list[int] | None = None,
+    arms: list[str] | None = None,
+) -> tuple[Path, list[str]]:
     """Plan, run (resuming from committed records; `train=False`: nothing, the page from the committed
     records alone), analyse and report one experiment. Returns (results
     page, failures). Quick runs go to runs/compare-quick/ and leave docs/results alone unless `results`
@@ -356,17 +470,23 @@ def compare(spec: str, *, quick: bool = False, jobs: int = 2, runs_dir: Path | N
     if not quick and train:
         problems = gate_problems(exp, results)
         if problems:
-            raise RuntimeError(f"{exp.name}: the pilot's gate is not passed, so no reported run starts:\n- "
-                               + "\n- ".join(problems))  # fmt: skip
+            raise RuntimeError(
+                f"{exp.name}: the pilot's gate is not passed, so no reported run starts:\n- "
+                + "\n- ".join(problems)
+            )
     start = time.perf_counter()
     failures: list[str] = []
     if train:
         stamp = _stamp(exp, records, "main", amend, quick)
-        log(f"{exp.name}: {len(runs)} runs ({len(exp.arms)} arms, seeds {exp.seeds}) in {runs_dir}; records "
-            f"in {records}; protocol {stamp['hash']}")  # fmt: skip
+        log(
+            f"{exp.name}: {len(runs)} runs ({len(exp.arms)} arms, seeds {exp.seeds}) in {runs_dir}; records "
+            f"in {records}; protocol {stamp['hash']}"
+        )
         if len(share) < len(runs):
-            log(f"{exp.name}: this share is {len(share)} of the {len(runs)} runs (seeds {seeds or 'all'}, "
-                f"arms {arms or 'all'}); the page reads every run with a record")  # fmt: skip
+            log(
+                f"{exp.name}: this share is {len(share)} of the {len(runs)} runs (seeds {seeds or 'all'}, "
+                f"arms {arms or 'all'}); the page reads every run with a record"
+            )
         failures = execute(exp.name, exp.recipe, share, jobs=jobs, log=log, records=records, stamp=stamp)
     else:
         runs = [r for r in runs if has_record(r, records)]
@@ -411,8 +531,9 @@ def gate_need(gate: dict[str, Any], arm: str) -> float:
     return float((gate.get("arms") or {}).get(arm, gate["heldout_gain"]))
 
 
-def picks_and_gate(exp: Experiment, runs: list[Run], records: Path | None
-                   ) -> tuple[dict[str, float], list[list[Any]], list[list[Any]], bool]:  # fmt: skip
+def picks_and_gate(
+    exp: Experiment, runs: list[Run], records: Path | None
+) -> tuple[dict[str, float], list[list[Any]], list[list[Any]], bool]:
     """From the pilot's first-stage runs: each arm's pick (`pilot_score`), the score table, the gate table
     (held-out reward at step 0 and at the end of the picked run, its gain, the arm's threshold) and
     whether every arm passed (True when the pilot has no gate)."""
@@ -439,21 +560,31 @@ def picks_and_gate(exp: Experiment, runs: list[Run], records: Path | None
             gain = _gain(summary)
             passed = gain is not None and gain >= need
             ok &= passed
-            gate_rows.append([arm, f"{picks[arm]:g}", _fmt(summary.get("held-out reward before")),
-                              _fmt(summary.get("held-out reward after")), _fmt(gain, sign=True),
-                              f"≥ {need:g}", "**passed**" if passed else "**failed**"])  # fmt: skip
+            gate_rows.append(
+                [
+                    arm,
+                    f"{picks[arm]:g}",
+                    _fmt(summary.get("held-out reward before")),
+                    _fmt(summary.get("held-out reward after")),
+                    _fmt(gain, sign=True),
+                    f"≥ {need:g}",
+                    "**passed**" if passed else "**failed**",
+                ]
+            )
     return picks, score_rows, gate_rows, ok
 
 
-def pilot_grids(exp: Experiment, runs: list[Run], records: Path | None
-                ) -> tuple[list[list[Any]], list[list[Any]]]:  # fmt: skip
+def pilot_grids(
+    exp: Experiment, runs: list[Run], records: Path | None
+) -> tuple[list[list[Any]], list[list[Any]]]:
     """Per arm and rate, for reading the pilot (not for its rule): the held-out gain from step 0 to the
     end of the run, and the within-group length CV averaged over every step of the run."""
     lrs = sorted({r.overrides["learning_rate"] for r in runs})
     gains, cvs = [], []
     for arm in exp.arms:
-        mine = {r.overrides["learning_rate"]: _run_data(r, records) for r in runs
-                if r.arm.startswith(arm + "@")}  # fmt: skip
+        mine = {
+            r.overrides["learning_rate"]: _run_data(r, records) for r in runs if r.arm.startswith(arm + "@")
+        }
         g, c = [arm], [arm]
         for lr in lrs:
             d = mine.get(lr, "—")
@@ -469,8 +600,9 @@ def pilot_grids(exp: Experiment, runs: list[Run], records: Path | None
     return gains, cvs
 
 
-def pilot_curves(exp: Experiment, runs: list[Run], records: Path | None, picks: dict[str, float]
-                 ) -> tuple[dict[str, Any], dict[str, tuple[float, float]]]:  # fmt: skip
+def pilot_curves(
+    exp: Experiment, runs: list[Run], records: Path | None, picks: dict[str, float]
+) -> tuple[dict[str, Any], dict[str, tuple[float, float]]]:
     """What `plots.plot_pilot` draws: per arm and rate, held-out reward at step 0 and at each budget, and
     the trailing mean of train reward (over a quarter of the run's steps, as the pick rule reads it),
     against generated tokens; and per picked arm the held-out level its gate asks for."""
@@ -485,8 +617,9 @@ def pilot_curves(exp: Experiment, runs: list[Run], records: Path | None, picks: 
         arm, lr = r.arm.rpartition("@")[0], float(r.overrides["learning_rate"])
         before = summary.get("held-out reward before")
         held = [(0.0, before)] if before is not None else []
-        held += [(row["generated_tokens"], row["heldout_reward"]) for row in rows
-                 if row.get("heldout_budgets")]  # fmt: skip
+        held += [
+            (row["generated_tokens"], row["heldout_reward"]) for row in rows if row.get("heldout_budgets")
+        ]
         rewarded = [row for row in rows if "reward" in row]
         w = max(1, len(rewarded) // 4)
         smooth = moving_average([row["reward"] for row in rewarded], w, centred=False)
@@ -505,12 +638,16 @@ def superseded_text(folder: Path) -> str:
     for path in sorted(folder.glob("*/*/seed*.json.gz")):
         rec = read_record(path)
         s = rec["summary"]
-        lines.append(f"- {path.parent.parent.name}: `{rec['arm']}` seed {rec['seed']}, held-out "
-                     f"{_fmt(s.get('held-out reward before'))} → {_fmt(s.get('held-out reward after'))} "
-                     f"({_fmt(_gain(s), sign=True)}), {s.get('steps')} steps, "
-                     f"{s.get('generated tokens', 0) / 1000:.0f}k tokens")  # fmt: skip
-    head = (f"Runs set aside by an amendment (their design changed; kept under `{folder.as_posix()}/` for "
-            "audit, not read by the picks or the gate):")  # fmt: skip
+        lines.append(
+            f"- {path.parent.parent.name}: `{rec['arm']}` seed {rec['seed']}, held-out "
+            f"{_fmt(s.get('held-out reward before'))} → {_fmt(s.get('held-out reward after'))} "
+            f"({_fmt(_gain(s), sign=True)}), {s.get('steps')} steps, "
+            f"{s.get('generated tokens', 0) / 1000:.0f}k tokens"
+        )
+    head = (
+        f"Runs set aside by an amendment (their design changed; kept under `{folder.as_posix()}/` for "
+        "audit, not read by the picks or the gate):"
+    )
     return head + "\n\n" + "\n".join(lines)
 
 
@@ -537,13 +674,31 @@ def power_plans(exp: Experiment, runs: list[Run], records: Path | None) -> list[
         base_budgets = [int(b) for b in c.get("baseline_budgets", budgets)]
         base_budget = base_budgets[budgets.index(budget)] if budget in budgets else budget
         cand, base = by_arm.get(c["candidate"], {}), by_arm.get(c["baseline"], {})
-        diffs = [cand[s][budget] - base[s][base_budget] for s in sorted(set(cand) & set(base))
-                 if budget in cand[s] and base_budget in base[s]]  # fmt: skip
+        diffs = [
+            cand[s][budget] - base[s][base_budget]
+            for s in sorted(set(cand) & set(base))
+            if budget in cand[s] and base_budget in base[s]
+        ]
         kind = c.get("kind", "better")
-        calc = power_plan(diffs, kind, float(c.get("margin", 0.0)), float(settings["effect"]), exp.confidence,
-                          float(settings["power"]), float(settings["sd_level"]))  # fmt: skip
-        out.append({"name": c["name"], "kind": kind, "budget": budget, "diffs": diffs, **calc,
-                    "target": settings["power"]})  # fmt: skip
+        calc = power_plan(
+            diffs,
+            kind,
+            float(c.get("margin", 0.0)),
+            float(settings["effect"]),
+            exp.confidence,
+            float(settings["power"]),
+            float(settings["sd_level"]),
+        )
+        out.append(
+            {
+                "name": c["name"],
+                "kind": kind,
+                "budget": budget,
+                "diffs": diffs,
+                **calc,
+                "target": settings["power"],
+            }
+        )
     return out
 
 
@@ -556,8 +711,11 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
     records = results / "runs" / f"{exp.name}-pilot"
     stage1 = pilot_plan(exp, Path("runs/compare") / exp.name / "pilot")
     picks, _, gate_rows, ok = picks_and_gate(exp, stage1, records)
-    problems = [f"{row[0]}: held-out gain {row[4]} at its pick {row[1]} (needs {row[5]})"
-                for row in gate_rows if row[-1] not in ("**passed**", "pending")]  # fmt: skip
+    problems = [
+        f"{row[0]}: held-out gain {row[4]} at its pick {row[1]} (needs {row[5]})"
+        for row in gate_rows
+        if row[-1] not in ("**passed**", "pending")
+    ]
     if not ok and len(picks) < len(exp.arms):
         problems.append(f"the pilot has not run (or not every arm): `otbrl compare {exp.name} --pilot`")
     for arm, lr in picks.items():
@@ -573,14 +731,23 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
             problems.append("the pilot's variance seeds are not all run, or call for more than 200 seeds")
         elif exp.power is None or int(exp.power["seeds"]) < max(need):
             have = None if exp.power is None else exp.power.get("seeds")
-            problems.append(f"power: the pilot's variance calls for {max(need)} seeds per compared arm; the "
-                            f"YAML's power section says {have}")  # fmt: skip
+            problems.append(
+                f"power: the pilot's variance calls for {max(need)} seeds per compared arm; the "
+                f"YAML's power section says {have}"
+            )
     return problems
 
 
-def pilot(spec: str, *, jobs: int = 2, runs_dir: Path | None = None, results: Path | None = None,
-          log: Any = print, amend: str | None = None, train: bool = True
-          ) -> tuple[Path, dict[str, float]]:  # fmt: skip
+def pilot(
+    spec: str,
+    *,
+    jobs: int = 2,
+    runs_dir: Path | None = None,
+    results: Path | None = None,
+    log: Any = print,
+    amend: str | None = None,
+    train: bool = True,
+) -> tuple[Path, dict[str, float]]:
     """Run the experiment's pilot (`train=False`: nothing; its page from the committed records alone):
     every arm at each pilot learning rate on the pilot seed, each arm's pick by `pilot_score` and the
     gate (held-out gain at the pick); if every arm passed and the pilot has `variance_seeds`, the picks
@@ -597,10 +764,13 @@ def pilot(spec: str, *, jobs: int = 2, runs_dir: Path | None = None, results: Pa
     failures: list[str] = []
     if train:
         stamp = _stamp(exp, records, "pilot", amend, quick=False)
-        log(f"{exp.name} pilot: {len(runs)} runs (seed {exp.pilot['seed']}) in {runs_dir}; "
-            f"protocol {stamp['hash']}")  # fmt: skip
-        failures = execute(f"{exp.name} pilot", exp.recipe, runs, jobs=jobs, log=log, records=records,
-                           stamp=stamp)  # fmt: skip
+        log(
+            f"{exp.name} pilot: {len(runs)} runs (seed {exp.pilot['seed']}) in {runs_dir}; "
+            f"protocol {stamp['hash']}"
+        )
+        failures = execute(
+            f"{exp.name} pilot", exp.recipe, runs, jobs=jobs, log=log, records=records, stamp=stamp
+        )
     if failures:
         raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
     picks, _, _, ok = picks_and_gate(exp, runs, records)
@@ -609,19 +779,28 @@ def pilot(spec: str, *, jobs: int = 2, runs_dir: Path | None = None, results: Pa
         stage2 = [r for r in variance_plan(exp, runs_dir, picks) if has_record(r, records)]
     elif ok and exp.pilot.get("variance_seeds"):
         stage2 = variance_plan(exp, runs_dir, picks)
-        log(f"{exp.name} pilot: gate passed; {len(stage2)} runs at the picks on seeds "
-            f"{exp.pilot['variance_seeds']}")  # fmt: skip
-        failures = execute(f"{exp.name} pilot variance", exp.recipe, stage2, jobs=jobs, log=log,
-                           records=records, stamp=stamp)  # fmt: skip
+        log(
+            f"{exp.name} pilot: gate passed; {len(stage2)} runs at the picks on seeds "
+            f"{exp.pilot['variance_seeds']}"
+        )
+        failures = execute(
+            f"{exp.name} pilot variance", exp.recipe, stage2, jobs=jobs, log=log, records=records, stamp=stamp
+        )
         if failures:
             raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
     command = f"otbrl compare {spec} --pilot --jobs {jobs}"
     return pilot_page(exp, runs, results, command, log, records=records, stage2=stage2)
 
 
-def pilot_page(exp: Experiment, runs: list[Any], results: Path, command: str, log: Any = print,
-               records: Path | None = None, stage2: list[Run] | None = None
-               ) -> tuple[Path, dict[str, float]]:  # fmt: skip
+def pilot_page(
+    exp: Experiment,
+    runs: list[Any],
+    results: Path,
+    command: str,
+    log: Any = print,
+    records: Path | None = None,
+    stage2: list[Run] | None = None,
+) -> tuple[Path, dict[str, float]]:
     """The pilot's picks, gate and power calculation from its finished runs (committed records where
     `records` holds them), and its page `<results>/<name>-pilot.md`."""
     picks, rows, gate_rows, ok = picks_and_gate(exp, runs, records)
@@ -658,15 +837,31 @@ def pilot_page(exp: Experiment, runs: list[Any], results: Path, command: str, lo
             "rise by at least its threshold from step 0 to the end of its budget; reported runs start only "
             "when every arm passes. "
             + ("**Every arm passed.**" if ok else "**Not passed: no reported run starts.**")
-            + "\n\n" + markdown_table(["arm", "pick", "held-out @0", "held-out at the end", "gain", "needs",
-                                       "gate"], gate_rows, aligned=False))  # fmt: skip
+            + "\n\n"
+            + markdown_table(
+                ["arm", "pick", "held-out @0", "held-out at the end", "gain", "needs", "gate"],
+                gate_rows,
+                aligned=False,
+            )
+        )
     if stage2:
         picked = [r for r in runs if r.overrides["learning_rate"] == picks.get(r.arm.rpartition("@")[0])]
         plans = power_plans(exp, picked + stage2, records)
-        prow = [[p["name"], p["kind"], _k(p["budget"]), p["pilot_seeds"],
-                 " ".join(f"{d:+.3f}" for d in p["diffs"]) or "—", _fmt(p["pilot_sd"]), _fmt(p["sd_planned"]),
-                 f"{p['floor']:+g}", f"{p['delta']:+g}", p["seeds"] if p["seeds"] is not None else "> 200"]
-                for p in plans]  # fmt: skip
+        prow = [
+            [
+                p["name"],
+                p["kind"],
+                _k(p["budget"]),
+                p["pilot_seeds"],
+                " ".join(f"{d:+.3f}" for d in p["diffs"]) or "—",
+                _fmt(p["pilot_sd"]),
+                _fmt(p["sd_planned"]),
+                f"{p['floor']:+g}",
+                f"{p['delta']:+g}",
+                p["seeds"] if p["seeds"] is not None else "> 200",
+            ]
+            for p in plans
+        ]
         target = plans[0]["target"] if plans else 0.8
         parts.append(
             f"Power (the pilot seed and variance seeds {exp.pilot['variance_seeds']}, each arm at its pick): "
@@ -676,15 +871,32 @@ def pilot_page(exp: Experiment, runs: list[Any], results: Path, command: str, lo
             f"probability ≥ {target:g} when the true difference is δ ({exp.confidence:.0%} t interval above "
             "the floor; "
             "`studies.inference`). The YAML's `power.seeds` must be at least the largest.\n\n"
-            + markdown_table(["comparison", "kind", "primary budget", "seeds", "differences", "SD",
-                              "SD planned", "floor", "δ", "seeds needed"], prow, aligned=False))  # fmt: skip
+            + markdown_table(
+                [
+                    "comparison",
+                    "kind",
+                    "primary budget",
+                    "seeds",
+                    "differences",
+                    "SD",
+                    "SD planned",
+                    "floor",
+                    "δ",
+                    "seeds needed",
+                ],
+                prow,
+                aligned=False,
+            )
+        )
     if records is not None and (records / "superseded").is_dir():
         parts.append(superseded_text(records / "superseded"))
     curves, gates = pilot_curves(exp, runs, records, picks)  # the pilot seed only: one line per rate
     if curves:
         png = results / f"{exp.name}-pilot.png"
-        title = (f"Pilot of {exp.name} (seed {exp.pilot['seed']}): held-out and train reward per learning "
-                 "rate; dotted: the level the gate asks of each arm's pick")  # fmt: skip
+        title = (
+            f"Pilot of {exp.name} (seed {exp.pilot['seed']}): held-out and train reward per learning "
+            "rate; dotted: the level the gate asks of each arm's pick"
+        )
         plot_pilot(curves, png, title, gates)
         parts.insert(4, f"![held-out and train reward of every pilot run]({png.name})")
     page.write_text("\n\n".join(parts) + "\n")

@@ -74,16 +74,26 @@ def timing(runs: dict[str, list[dict[str, Any]]], settings: dict[str, Any]) -> d
                 leads.append(r["collapse"] - step)
             else:
                 late, never = late + (step is not None), never + (step is None)
-    return {"caught": caught, "late": late, "never": never, "false": false, "quiet": quiet,
-            "lead": statistics.median(leads) if leads else None}  # fmt: skip
+    return {
+        "caught": caught,
+        "late": late,
+        "never": never,
+        "false": false,
+        "quiet": quiet,
+        "lead": statistics.median(leads) if leads else None,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="ladder")
     parser.add_argument("--runs", type=Path, default=None, help="default runs/compare/EXPERIMENT")
-    parser.add_argument("--records", type=Path, default=None,
-                        help="committed run records (default docs/results/runs/EXPERIMENT)")  # fmt: skip
+    parser.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help="committed run records (default docs/results/runs/EXPERIMENT)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "decay_timing.md")
     args = parser.parse_args()
     exp = load_experiment(args.experiment)
@@ -102,24 +112,44 @@ def main() -> None:
         t = timing(base_runs, {**own, **overrides})
         collapsed = t["caught"] + t["late"] + t["never"]
         lead = "—" if t["lead"] is None else f"{t['lead']:g}"
-        rows.append([label, f"{t['caught']}/{collapsed}", t["late"], t["never"],
-                     f"{t['false']}/{t['false'] + t['quiet']}", lead])  # fmt: skip
+        rows.append(
+            [
+                label,
+                f"{t['caught']}/{collapsed}",
+                t["late"],
+                t["never"],
+                f"{t['false']}/{t['false'] + t['quiet']}",
+                lead,
+            ]
+        )
     n = sum(len(rs) for rs in base_runs.values())
-    text = "\n".join([
-        "# Would the length-surge LR decay have fired before the collapses?",
-        "",
-        __doc__.split("\n\n")[1].replace("\n", " "),
-        "",
-        f"Regenerate: `python -m studies.decay_timing` (from the committed run records in "
-        f"`docs/results/runs/{exp.name}/`, after `otbrl compare {exp.name}`). Replayed on "
-        f"the {n} base runs of `{exp.name}` (arms {', '.join(sorted(base_runs))}); detector settings of the "
-        f"decay arms: {', '.join(f'{k} {v}' for k, v in sorted(own.items()))}, with the overrides named "
-        "in each row.",
-        "",
-        markdown_table(["detector", "collapsed runs caught in time", "fired late", "never fired",
-                        "fired without a collapse", "median lead (steps)"], rows, aligned=False),
-        "",
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            "# Would the length-surge LR decay have fired before the collapses?",
+            "",
+            __doc__.split("\n\n")[1].replace("\n", " "),
+            "",
+            f"Regenerate: `python -m studies.decay_timing` (from the committed run records in "
+            f"`docs/results/runs/{exp.name}/`, after `python -m studies compare {exp.name}`). Replayed on "
+            f"the {n} base runs of `{exp.name}` (arms {', '.join(sorted(base_runs))}); detector settings of "
+            f"the decay arms: {', '.join(f'{k} {v}' for k, v in sorted(own.items()))}, with the overrides named "
+            "in each row.",
+            "",
+            markdown_table(
+                [
+                    "detector",
+                    "collapsed runs caught in time",
+                    "fired late",
+                    "never fired",
+                    "fired without a collapse",
+                    "median lead (steps)",
+                ],
+                rows,
+                aligned=False,
+            ),
+            "",
+        ]
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

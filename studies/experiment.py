@@ -165,8 +165,10 @@ def _check_protocol(path: Path, exp: Experiment) -> None:
             if c[key] not in exp.arms:
                 raise ValueError(f"experiment {path}: comparisons[{i}]: {c[key]!r} is not an arm")
         if "primary" in c and int(c["primary"]) not in [int(b) for b in c.get("budgets", [])]:
-            raise ValueError(f"experiment {path}: comparisons[{i}]: primary {c['primary']} is not one of "
-                             f"its budgets {c.get('budgets', [])}")  # fmt: skip
+            raise ValueError(
+                f"experiment {path}: comparisons[{i}]: primary {c['primary']} is not one of "
+                f"its budgets {c.get('budgets', [])}"
+            )
     if not 0 < exp.confidence < 1:
         raise ValueError(f"experiment {path}: confidence must be in (0, 1), got {exp.confidence}")
     if exp.pilot is not None:
@@ -190,8 +192,10 @@ def _check_protocol(path: Path, exp: Experiment) -> None:
         compared = {c[k] for c in exp.comparisons for k in ("candidate", "baseline")}
         few = [a for a in few if a in compared]
         if few:
-            raise ValueError(f"experiment {path}: power calls for {exp.power['seeds']} seeds per compared "
-                             f"arm; {', '.join(few)} {'has' if len(few) == 1 else 'have'} fewer")  # fmt: skip
+            raise ValueError(
+                f"experiment {path}: power calls for {exp.power['seeds']} seeds per compared "
+                f"arm; {', '.join(few)} {'has' if len(few) == 1 else 'have'} fewer"
+            )
 
 
 def _apply_quick(path: Path, exp: Experiment, section: dict[str, Any]) -> None:
@@ -264,13 +268,23 @@ def variance_plan(exp: Experiment, out: Path, picks: dict[str, float]) -> list[R
     """The pilot's second stage: every arm at its picked rate on each of the pilot's `variance_seeds`
     (named arm@lr like the first stage), whose paired differences give the power calculation its SD."""
     extra = {k: v for k, v in exp.pilot.items() if k not in PILOT_KEYS}
-    return [_run(exp, out, arm, seed, {"learning_rate": float(picks[arm]), **extra},
-                 f"{arm}@{float(picks[arm]):g}")
-            for arm in exp.arms for seed in exp.pilot.get("variance_seeds", [])]  # fmt: skip
+    return [
+        _run(
+            exp, out, arm, seed, {"learning_rate": float(picks[arm]), **extra}, f"{arm}@{float(picks[arm]):g}"
+        )
+        for arm in exp.arms
+        for seed in exp.pilot.get("variance_seeds", [])
+    ]
 
 
-def _run(exp: Experiment, out: Path, arm: str, seed: int, extra: dict[str, Any] | None = None,
-         name: str | None = None) -> Run:  # fmt: skip
+def _run(
+    exp: Experiment,
+    out: Path,
+    arm: str,
+    seed: int,
+    extra: dict[str, Any] | None = None,
+    name: str | None = None,
+) -> Run:
     name = name or arm
     arm_overrides = {k: v for k, v in (exp.arms[arm] or {}).items() if k not in ARM_KEYS}
     overrides = {**exp.common, **arm_overrides, **(extra or {}), **exp.forced}

@@ -107,10 +107,14 @@ def rule(kind: str, margin: float = 0.0, confidence: float = 0.95) -> str:
     """The verdict rule in words, as claims.md states it next to each verdict."""
     ci = f"the {confidence:.0%} t interval of the paired per-seed difference"
     if kind == "better":
-        return (f"held if {ci} lies above 0, did not hold if below 0, inconclusive if it spans 0, "
-                "not tested if fewer than 2 seeds pair up")  # fmt: skip
-    return (f"held if {ci} lies above -{abs(margin):g}, did not hold if below -{abs(margin):g}, "
-            "inconclusive otherwise, not tested if fewer than 2 seeds pair up")  # fmt: skip
+        return (
+            f"held if {ci} lies above 0, did not hold if below 0, inconclusive if it spans 0, "
+            "not tested if fewer than 2 seeds pair up"
+        )
+    return (
+        f"held if {ci} lies above -{abs(margin):g}, did not hold if below -{abs(margin):g}, "
+        "inconclusive otherwise, not tested if fewer than 2 seeds pair up"
+    )
 
 
 def combine(verdicts: list[str]) -> str:
@@ -138,8 +142,14 @@ def power(n: int, sd: float, floor: float, delta: float = 0.0, confidence: float
     return float(stats.nct.sf(crit, n - 1, (delta - floor) * math.sqrt(n) / sd))
 
 
-def seeds_needed(sd: float, floor: float, delta: float = 0.0, confidence: float = 0.95, target: float = 0.8,
-                 most: int = 200) -> int | None:  # fmt: skip
+def seeds_needed(
+    sd: float,
+    floor: float,
+    delta: float = 0.0,
+    confidence: float = 0.95,
+    target: float = 0.8,
+    most: int = 200,
+) -> int | None:
     """The fewest seeds (>= 2) whose power reaches `target`; None if not within `most`."""
     for n in range(2, most + 1):
         if power(n, sd, floor, delta, confidence) >= target:
@@ -156,8 +166,15 @@ def sd_upper(values: list[float], level: float = 0.8) -> float:
     return statistics.stdev(values) * math.sqrt((k - 1) / stats.chi2.ppf(1 - level, k - 1))
 
 
-def power_plan(diffs: list[float], kind: str, margin: float, effect: float, confidence: float = 0.95,
-         target: float = 0.8, level: float = 0.8) -> dict[str, float | int | None]:  # fmt: skip
+def power_plan(
+    diffs: list[float],
+    kind: str,
+    margin: float,
+    effect: float,
+    confidence: float = 0.95,
+    target: float = 0.8,
+    level: float = 0.8,
+) -> dict[str, float | int | None]:
     """The power calculation of one comparison from the pilot's paired differences: `matches` assumes a
     true difference of 0 against the floor -margin; `better` assumes a true difference of `effect`
     against the floor 0."""

@@ -63,8 +63,12 @@ CANDIDATES: dict[str, tuple[Make, int, str]] = {
 def probe(model, tokenizer, make: Make, max_new: int, temperature: float, prompts: int) -> dict:  # noqa: ANN001
     rng = random.Random(0)
     rows = [make(rng) for _ in range(prompts)]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p, _ in rows]  # fmt: skip
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p, _ in rows
+    ]
     start = time.process_time()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         gen = torch.Generator().manual_seed(0)
@@ -100,15 +104,37 @@ def main() -> None:
         for name, (make, max_new, chosen) in CANDIDATES.items():
             r = probe(model, tokenizer, make, max_new, temperature, prompts)
             print(f"T={temperature} {name}: {r}", flush=True)
-            rows.append([
-                name, f"{temperature}", str(max_new), f"{r['accuracy']:.2f}", f"{r['spread']:.2f}",
-                f"{r['median']:.0f}", f"{r['cv']:.2f}", f"{r['capped']:.2f}", f"{r['seconds']:.0f}",
-                chosen if temperature == 0.7 else "", f"`{r['example']}`",
-            ])  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    f"{temperature}",
+                    str(max_new),
+                    f"{r['accuracy']:.2f}",
+                    f"{r['spread']:.2f}",
+                    f"{r['median']:.0f}",
+                    f"{r['cv']:.2f}",
+                    f"{r['capped']:.2f}",
+                    f"{r['seconds']:.0f}",
+                    chosen if temperature == 0.7 else "",
+                    f"`{r['example']}`",
+                ]
+            )
     table = markdown_table(
-        ["candidate", "T", "max new", "accuracy", "groups with spread", "median length",
-         "length CV in group", "at the cap", "CPU s", "chosen", "first answer"], rows,
-    )  # fmt: skip
+        [
+            "candidate",
+            "T",
+            "max new",
+            "accuracy",
+            "groups with spread",
+            "median length",
+            "length CV in group",
+            "at the cap",
+            "CPU s",
+            "chosen",
+            "first answer",
+        ],
+        rows,
+    )
     verdict = (
         "The tasks were chosen before any training run, with a throwaway probe of these candidates "
         "(transformers' generate in float32, 8 prompts x 4, T=1.0 and 0.7); this script is that probe "
@@ -124,8 +150,16 @@ def main() -> None:
         "candidate, chat template, otbrl's sampler under bf16 autocast; accuracy = final number correct; "
         "'groups with spread' = share of prompts whose 4 answers were not all scored alike."
     )
-    write_result(out, "Real-model task pilot: SmolLM2-135M-Instruct", "-m studies.llm_pilot", quick, 1, description,
-                 table, verdict)  # fmt: skip
+    write_result(
+        out,
+        "Real-model task pilot: SmolLM2-135M-Instruct",
+        "-m studies.llm_pilot",
+        quick,
+        1,
+        description,
+        table,
+        verdict,
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,10 @@ def rows_plus(rng: random.Random) -> tuple[str, str]:
 
 def two_shelves(rng: random.Random) -> tuple[str, str]:
     a, b, c, d = (rng.randint(2, 6) for _ in range(4))
-    question = (f"One shelf has {a} rows of {b} books and another shelf has {c} rows of {d} books. "
-                "How many books are there in all?")  # fmt: skip
+    question = (
+        f"One shelf has {a} rows of {b} books and another shelf has {c} rows of {d} books. "
+        "How many books are there in all?"
+    )
     return question, str(a * b + c * d)
 
 
@@ -79,15 +81,36 @@ def main() -> None:
         print(f"{name}: {r}", flush=True)
     passing = [n for n, r in results.items() if qualifies(r)]
     pick = max(passing, key=lambda n: results[n]["cv"]) if passing else None
-    rows = [[
-        name, f"{r['accuracy']:.2f}", f"{r['spread']:.2f}", f"{r['median']:.0f}", f"{r['cv']:.2f}",
-        f"{r['capped']:.2f}", f"{r['seconds']:.0f}", "yes" if qualifies(r) else "no",
-        "**picked**" if name == pick else "", f"`{r['example']}`",
-    ] for name, r in results.items()]  # fmt: skip
+    rows = [
+        [
+            name,
+            f"{r['accuracy']:.2f}",
+            f"{r['spread']:.2f}",
+            f"{r['median']:.0f}",
+            f"{r['cv']:.2f}",
+            f"{r['capped']:.2f}",
+            f"{r['seconds']:.0f}",
+            "yes" if qualifies(r) else "no",
+            "**picked**" if name == pick else "",
+            f"`{r['example']}`",
+        ]
+        for name, r in results.items()
+    ]
     table = markdown_table(
-        ["candidate", "accuracy", "groups with spread", "median length", "length CV in group", "at the cap",
-         "CPU s", "qualifies", "pick", "first answer"], rows,
-    )  # fmt: skip
+        [
+            "candidate",
+            "accuracy",
+            "groups with spread",
+            "median length",
+            "length CV in group",
+            "at the cap",
+            "CPU s",
+            "qualifies",
+            "pick",
+            "first answer",
+        ],
+        rows,
+    )
     verdict = (
         f"Picked by the rule in the script's docstring (fixed before this ran): **{pick}**."
         if pick
@@ -99,8 +122,16 @@ def main() -> None:
         "accuracy = final number correct. Rule (fixed before the run): 10-60% accuracy, length CV >= 0.3, "
         "at most 25% of answers at the cap; the highest length CV among those qualifying is picked."
     )
-    write_result(out, "Real-model multi-step task pilot: SmolLM2-135M-Instruct", "-m studies.llm_pilot_steps", quick,
-                 1, description, table, verdict)  # fmt: skip
+    write_result(
+        out,
+        "Real-model multi-step task pilot: SmolLM2-135M-Instruct",
+        "-m studies.llm_pilot_steps",
+        quick,
+        1,
+        description,
+        table,
+        verdict,
+    )
 
 
 if __name__ == "__main__":

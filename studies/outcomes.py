@@ -40,8 +40,9 @@ from studies.runs import Run, environment_label, has_record, record_path
 SURGE_SMOOTH, SURGE_HISTORY = 5, 20
 
 
-def collapse_step(steps: list[int], rewards: list[float], window: int, fraction: float,
-                  hold: int) -> int | None:  # fmt: skip
+def collapse_step(
+    steps: list[int], rewards: list[float], window: int, fraction: float, hold: int
+) -> int | None:
     """First step of `hold` consecutive steps whose trailing mean reward (over `window` steps, full
     windows only) is below `fraction` x the mean of the first `window` steps."""
     if len(rewards) < window + hold:
@@ -98,8 +99,9 @@ def _mean(values: list[float]) -> float:
     return statistics.fmean(kept) if kept else math.nan
 
 
-def analyse_rows(rows: list[dict[str, Any]], summary: dict[str, Any], exp: Experiment, seed: int = 0,
-                 batch: int = 1) -> dict[str, Any]:  # fmt: skip
+def analyse_rows(
+    rows: list[dict[str, Any]], summary: dict[str, Any], exp: Experiment, seed: int = 0, batch: int = 1
+) -> dict[str, Any]:
     """One run's outcomes from its logged steps (a metrics.jsonl or a record's) and its summary."""
     rewarded = [r for r in rows if "reward" in r]
     steps = [r["step"] for r in rewarded]
@@ -115,8 +117,10 @@ def analyse_rows(rows: list[dict[str, Any]], summary: dict[str, Any], exp: Exper
         for b in r.get("heldout_budgets", []):
             heldout[int(b)], heldout_tokens[int(b)] = r["heldout_reward"], r["generated_tokens"]
     k = max(1, len(reward) // 10)
-    horizon = {key: [r[f"otb/horizon/{key}"] for r in rewarded if f"otb/horizon/{key}" in r]
-               for key in ("length_cv", "energy_cv", "reward_spread", "energy_reward_corr")}  # fmt: skip
+    horizon = {
+        key: [r[f"otb/horizon/{key}"] for r in rewarded if f"otb/horizon/{key}" in r]
+        for key in ("length_cv", "energy_cv", "reward_spread", "energy_reward_corr")
+    }
     w_end = moving_average(reward, w, centred=False)[-1] if reward else math.nan
     start_level = statistics.fmean(reward[:w]) if reward else math.nan
     collapse = collapse_step(steps, reward, w, exp.collapse_fraction, exp.collapse_steps)
@@ -225,8 +229,9 @@ def _seed_values(results: list[dict[str, Any]], get: Any) -> dict[int, float]:
     return out
 
 
-def by_where(cand: list[dict[str, Any]], base: list[dict[str, Any]], get_cand: Any, get_base: Any
-             ) -> list[dict[str, Any]]:  # fmt: skip
+def by_where(
+    cand: list[dict[str, Any]], base: list[dict[str, Any]], get_cand: Any, get_base: Any
+) -> list[dict[str, Any]]:
     """The paired differences grouped by where each side's run was trained, when the runs were not all
     trained in one place: a check that the machines do not tell the arms apart, never a verdict.
     [{"candidate": where, "baseline": where, "seeds": n, "mean": difference}]; [] when every run of both
@@ -238,12 +243,15 @@ def by_where(cand: list[dict[str, Any]], base: list[dict[str, Any]], get_cand: A
     values = (_seed_values(cand, get_cand), _seed_values(base, get_base))
     for seed in sorted(set(values[0]) & set(values[1])):
         groups.setdefault((where[0, seed], where[1, seed]), []).append(values[0][seed] - values[1][seed])
-    return [{"candidate": c, "baseline": b, "seeds": len(v), "mean": statistics.fmean(v)}
-            for (c, b), v in groups.items()]  # fmt: skip
+    return [
+        {"candidate": c, "baseline": b, "seeds": len(v), "mean": statistics.fmean(v)}
+        for (c, b), v in groups.items()
+    ]
 
 
-def compare_arms(exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[dict[str, Any]]]
-                 ) -> dict[str, Any]:  # fmt: skip
+def compare_arms(
+    exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
     """One comparison of the YAML's `comparisons`: paired intervals of held-out reward at each budget
     (candidate budget against the baseline's, `baseline_budgets` when they differ) and, for `better`
     claims, of tokens saved to each threshold (over seeds where both arms reached it); its verdict. With
@@ -256,22 +264,36 @@ def compare_arms(exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[
     base_budgets = [int(b) for b in spec.get("baseline_budgets", budgets)]
     heldout, verdicts = [], []
     for b, bb in zip(budgets, base_budgets, strict=True):
-        diffs = paired(_seed_values(cand, lambda r, b=b: r["heldout"].get(b)),
-                       _seed_values(base, lambda r, bb=bb: r["heldout"].get(bb)))  # fmt: skip
+        diffs = paired(
+            _seed_values(cand, lambda r, b=b: r["heldout"].get(b)),
+            _seed_values(base, lambda r, bb=bb: r["heldout"].get(bb)),
+        )
         ci = t_interval(diffs, exp.confidence)
         v = verdict(kind, ci, margin)
-        heldout.append({"budget": b, "baseline_budget": bb, "interval": ci, "verdict": v,
-                        "primary": "primary" in spec and int(spec["primary"]) == b,
-                        "by_where": by_where(cand, base, lambda r, b=b: r["heldout"].get(b),
-                                             lambda r, bb=bb: r["heldout"].get(bb))})  # fmt: skip
+        heldout.append(
+            {
+                "budget": b,
+                "baseline_budget": bb,
+                "interval": ci,
+                "verdict": v,
+                "primary": "primary" in spec and int(spec["primary"]) == b,
+                "by_where": by_where(
+                    cand, base, lambda r, b=b: r["heldout"].get(b), lambda r, bb=bb: r["heldout"].get(bb)
+                ),
+            }
+        )
         verdicts.append(v)
     tokens = []
     for th in exp.thresholds if kind == "better" else []:
-        saved = paired(_seed_values(base, lambda r, th=th: r["to_threshold"][th]),
-                       _seed_values(cand, lambda r, th=th: r["to_threshold"][th]))  # fmt: skip
+        saved = paired(
+            _seed_values(base, lambda r, th=th: r["to_threshold"][th]),
+            _seed_values(cand, lambda r, th=th: r["to_threshold"][th]),
+        )
         ci = t_interval(saved, exp.confidence)
-        reached = (sum(t is not None for t in (r["to_threshold"][th] for r in cand)),
-                   sum(t is not None for t in (r["to_threshold"][th] for r in base)))  # fmt: skip
+        reached = (
+            sum(t is not None for t in (r["to_threshold"][th] for r in cand)),
+            sum(t is not None for t in (r["to_threshold"][th] for r in base)),
+        )
         v = verdict(kind, ci)
         tokens.append({"threshold": th, "interval": ci, "verdict": v, "reached": reached})
         verdicts.append(v)
@@ -284,8 +306,15 @@ def compare_arms(exp: Experiment, spec: dict[str, Any], per_arm: dict[str, list[
     planned = min(len(exp.arm_seeds(a)) if a in exp.arms else 0 for a in both)
     paired_seeds = max((h["interval"].n for h in heldout), default=0)
     interim = f"interim: {paired_seeds} of {planned} planned seeds" if paired_seeds < planned else ""
-    return {**spec, "kind": kind, "margin": margin, "heldout": heldout, "tokens": tokens, "verdict": overall,
-            "interim": interim}  # fmt: skip
+    return {
+        **spec,
+        "kind": kind,
+        "margin": margin,
+        "heldout": heldout,
+        "tokens": tokens,
+        "verdict": overall,
+        "interim": interim,
+    }
 
 
 def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> dict[str, Any]:
@@ -368,9 +397,13 @@ def critical_lr(rungs: dict[float, dict[int, bool]]) -> float | None:
     return None
 
 
-def collapse_difference(arms: dict[str, Any], candidate: str, baseline: str, confidence: float,
-                        table: dict[str, dict[float, dict[int, bool]]] | None = None
-                        ) -> Interval:  # fmt: skip
+def collapse_difference(
+    arms: dict[str, Any],
+    candidate: str,
+    baseline: str,
+    confidence: float,
+    table: dict[str, dict[float, dict[int, bool]]] | None = None,
+) -> Interval:
     """Paired over (rung, seed): baseline collapsed (1/0) minus candidate collapsed; > 0 favours the
     candidate."""
     table = cells(arms) if table is None else table
@@ -381,9 +414,13 @@ def collapse_difference(arms: dict[str, Any], candidate: str, baseline: str, con
     return t_interval(diffs, confidence)
 
 
-def stability_verdict(arms: dict[str, Any], candidate: str, baselines: list[str], confidence: float,
-                      table: dict[str, dict[float, dict[int, bool]]] | None = None
-                      ) -> tuple[str, list[tuple[str, Interval]]]:  # fmt: skip
+def stability_verdict(
+    arms: dict[str, Any],
+    candidate: str,
+    baselines: list[str],
+    confidence: float,
+    table: dict[str, dict[float, dict[int, bool]]] | None = None,
+) -> tuple[str, list[tuple[str, Interval]]]:
     """`better` on collapses against each baseline; not tested when no run collapsed at all. `table`:
     collapse indicators to use instead of `cells(arms)` (e.g. censored runs counted as collapses)."""
     table = cells(arms) if table is None else table
@@ -413,22 +450,34 @@ def ladder_table(arms: dict[str, Any]) -> str:
         mine = [stats for arm, stats in arms.items() if split(arm)[0] == base]
         clip = [c for s in mine for c in s["clip_fraction"] if c is not None and not math.isnan(c)]
         crit = critical_lr(rungs)
-        low = {split(arm)[1]: sum(stats.get("censored", [])) for arm, stats in arms.items()
-               if split(arm)[0] == base}  # fmt: skip
-        cell = {lr: f"{sum(seeds.values())}/{len(seeds)}" + (f" (+{low[lr]} censored)" if low.get(lr) else "")
-                for lr, seeds in rungs.items()}  # fmt: skip
+        low = {
+            split(arm)[1]: sum(stats.get("censored", []))
+            for arm, stats in arms.items()
+            if split(arm)[0] == base
+        }
+        cell = {
+            lr: f"{sum(seeds.values())}/{len(seeds)}" + (f" (+{low[lr]} censored)" if low.get(lr) else "")
+            for lr, seeds in rungs.items()
+        }
         held = {split(arm)[1]: _end_heldout(stats) for arm, stats in arms.items() if split(arm)[0] == base}
-        rows.append([
-            base,
-            *(cell.get(lr, "—") for lr in rates),
-            *(held.get(lr, "—") for lr in rates),
-            "none collapsed" if crit is None else f"{crit:g}",
-            sum(s["surges"] for s in mine),
-            f"{statistics.fmean(clip):.2f}" if clip else "—",
-        ])  # fmt: skip
-    head = ["arm", *(f"collapsed @ lr {lr:g}" for lr in rates),
-            *(f"held-out at the end @ lr {lr:g}" for lr in rates),
-            "critical lr", "surges", "clipped"]  # fmt: skip
+        rows.append(
+            [
+                base,
+                *(cell.get(lr, "—") for lr in rates),
+                *(held.get(lr, "—") for lr in rates),
+                "none collapsed" if crit is None else f"{crit:g}",
+                sum(s["surges"] for s in mine),
+                f"{statistics.fmean(clip):.2f}" if clip else "—",
+            ]
+        )
+    head = [
+        "arm",
+        *(f"collapsed @ lr {lr:g}" for lr in rates),
+        *(f"held-out at the end @ lr {lr:g}" for lr in rates),
+        "critical lr",
+        "surges",
+        "clipped",
+    ]
     return markdown_table(head, rows, aligned=False)
 
 
@@ -445,8 +494,9 @@ def plot_ladder(arms: dict[str, Any], ax: Any) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_ladder_runs(runs: dict[str, list[dict[str, Any]]], png: Any, title: str, smoothing: str,
-                     variants: Any = ()) -> None:  # fmt: skip
+def plot_ladder_runs(
+    runs: dict[str, list[dict[str, Any]]], png: Any, title: str, smoothing: str, variants: Any = ()
+) -> None:
     """The ladder's runs (`analyse(...)["runs"]`), one column per rung: smoothed train reward and
     mean completion length against step; the arms named in `variants` (the LR-decay variants: they run
     exactly as their base arm until a trigger, so drawn beside it they would hide it) get a third row of
@@ -459,8 +509,9 @@ def plot_ladder_runs(runs: dict[str, list[dict[str, Any]]], png: Any, title: str
     variants = set(variants) & set(bases)
     n_rows = 3 if variants else 2
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, axes = plt.subplots(n_rows, len(rates), figsize=(4.6 * len(rates) + 1, 4 * n_rows), sharey="row",
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        n_rows, len(rates), figsize=(4.6 * len(rates) + 1, 4 * n_rows), sharey="row", squeeze=False
+    )
     for arm, arm_runs in runs.items():
         base, lr = split(arm)
         i, col = bases.index(base), rates.index(lr)
@@ -474,14 +525,29 @@ def plot_ladder_runs(runs: dict[str, list[dict[str, Any]]], png: Any, title: str
                 marks = [("x", r["collapse"])] if "x" in kinds and r["collapse"] is not None else []
                 marks += [("v", step) for step in r["decays"]] if "v" in kinds else []
                 for marker, step in marks:
-                    ax.plot([step], [np.interp(step, r["steps"], r[key])], marker=marker, ms=7, mew=2, ls="",
-                            color=style["color"])  # fmt: skip
+                    ax.plot(
+                        [step],
+                        [np.interp(step, r["steps"], r[key])],
+                        marker=marker,
+                        ms=7,
+                        mew=2,
+                        ls="",
+                        color=style["color"],
+                    )
             if usable:
                 end = min(r["steps"][-1] for r in usable)
                 grid = np.arange(max(r["steps"][0] for r in usable), end + 1)
                 mean = np.mean([np.interp(grid, r["steps"], r[key]) for r in usable], axis=0)
-                ax.plot(grid, mean, lw=2, marker=MARKERS[i % len(MARKERS)], markevery=10, ms=5,
-                        label=f"{base} (n={len(usable)})", **style)  # fmt: skip
+                ax.plot(
+                    grid,
+                    mean,
+                    lw=2,
+                    marker=MARKERS[i % len(MARKERS)],
+                    markevery=10,
+                    ms=5,
+                    label=f"{base} (n={len(usable)})",
+                    **style,
+                )
     for col, lr in enumerate(rates):
         axes[0, col].set_title(f"learning rate {lr:g}", fontsize=10)
         axes[-1, col].set_xlabel("step")
@@ -496,8 +562,13 @@ def plot_ladder_runs(runs: dict[str, list[dict[str, Any]]], png: Any, title: str
         axes[2, 0].set_ylabel(f"with LR decay: train reward\n(centred mean over {smoothing})")
     handles = {h.get_label(): h for ax in axes.flat for h in ax.get_legend_handles_labels()[0]}
     labels = sorted(handles, key=lambda label: bases.index(label.split(" (")[0]))
-    fig.legend([handles[k] for k in labels], [k.split(" (")[0] for k in labels], loc="lower center",
-               ncol=min(len(labels), 7), fontsize=9)  # fmt: skip
+    fig.legend(
+        [handles[k] for k in labels],
+        [k.split(" (")[0] for k in labels],
+        loc="lower center",
+        ncol=min(len(labels), 7),
+        fontsize=9,
+    )
     legend = "(thick: mean over seeds; thin: each seed; x: collapse; v: LR-decay trigger)"
     fig.suptitle(textwrap.fill(title, int(13 * fig.get_figwidth())) + "\n" + legend, fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 0.95))

@@ -107,7 +107,8 @@ def write_result(
     env: str = "",
 ) -> None:
     """Write a results page: title, machine, the command that regenerates it (`script`: a file of
-    benchmarks/, or "-m studies.NAME"; after `env`, e.g. "OMP_NUM_THREADS=1 "), what was measured, the table and the verdict computed from it."""
+    benchmarks/, or "-m studies.NAME"; after `env`, e.g. "OMP_NUM_THREADS=1 "), what was measured, the
+    table and the verdict computed from it."""
     where = script if script.startswith("-m ") else f"benchmarks/{script}"  # a suite module, or a script
     command = f"{env}.venv/bin/python {where}" + (" --quick" if quick else "")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,12 @@ import torch
 from otbrl.app.plots import MARKERS, STYLES, pyplot, save
 
 
-def plot_pilot(curves: dict[str, dict[float, dict[str, list[tuple[float, float]]]]], png: Path, title: str,
-               gates: dict[str, tuple[float, float]] | None = None) -> None:  # fmt: skip
+def plot_pilot(
+    curves: dict[str, dict[float, dict[str, list[tuple[float, float]]]]],
+    png: Path,
+    title: str,
+    gates: dict[str, tuple[float, float]] | None = None,
+) -> None:
     """A learning-rate pilot, one column per arm: held-out reward against generated tokens (top; step 0
     included) and train reward (trailing mean, bottom), one line per learning rate. `curves`: {arm: {lr:
     {"heldout": [(tokens, reward)], "train": [(tokens, reward)]}}}; `gates`: {arm: (pick, level)} draws
@@ -33,8 +37,13 @@ def plot_pilot(curves: dict[str, dict[float, dict[str, list[tuple[float, float]]
             pick = gates is not None and arm in gates and gates[arm][0] == lr
             label = f"lr {lr:g}" + (" (pick)" if pick else "")
             if series["heldout"]:
-                top.plot(*zip(*series["heldout"], strict=True), marker=MARKERS[i % len(MARKERS)], label=label,
-                         lw=2.5 if pick else 1.2, **style)  # fmt: skip
+                top.plot(
+                    *zip(*series["heldout"], strict=True),
+                    marker=MARKERS[i % len(MARKERS)],
+                    label=label,
+                    lw=2.5 if pick else 1.2,
+                    **style,
+                )
             if series["train"]:
                 bottom.plot(*zip(*series["train"], strict=True), lw=1.5 if pick else 0.9, **style)
         if gates is not None and arm in gates:
@@ -78,15 +87,25 @@ def _estimator_panel(ax: Any, res: dict[str, Any], key: str) -> None:
         shift = 1.03 ** (i - (len(estimators) - 1) / 2)  # multiplicative: the x axis is logarithmic
         y = [s[key] for _, s in pts]
         if key == "nsr":
-            err = [[_gap(v, s.get("nsr_lo")) for v, (_, s) in zip(y, pts, strict=True)],
-                   [_gap(v, s.get("nsr_hi")) for v, (_, s) in zip(y, pts, strict=True)]]  # fmt: skip
+            err = [
+                [_gap(v, s.get("nsr_lo")) for v, (_, s) in zip(y, pts, strict=True)],
+                [_gap(v, s.get("nsr_hi")) for v, (_, s) in zip(y, pts, strict=True)],
+            ]
         else:
             err = [s["rel_var_se"] for _, s in pts]
         marker, dashes = _STYLES.get(e, ("o", "-"))
         ax.errorbar(
-            [n * shift for n, _ in pts], y, yerr=err, marker=marker, ls=dashes, capsize=2, ms=5,
-            label=e, lw=2.0 if e.startswith("otb") else 1.1, alpha=0.9,
-        )  # fmt: skip
+            [n * shift for n, _ in pts],
+            y,
+            yerr=err,
+            marker=marker,
+            ls=dashes,
+            capsize=2,
+            ms=5,
+            label=e,
+            lw=2.0 if e.startswith("otb") else 1.1,
+            alpha=0.9,
+        )
     ylabel = "trace Cov(g) / ||E g||²" if key == "nsr" else "trace Cov(g) / ||g_ref||²"
     ax.set(xscale="log", yscale="log", xlabel="group size N", ylabel=ylabel)
     ax.set_xticks(ns, [str(n) for n in ns])

@@ -53,11 +53,26 @@ class Run:
 
 # What the analyses read from each logged step (the rest of metrics.jsonl is TRL's bookkeeping).
 KEEP = (
-    "step", "generated_tokens", "train_seconds", "reward", "reward_std", "frac_reward_zero_std", "grad_norm",
-    "clipped", "learning_rate", "entropy", "completions/mean_length", "completions/max_length",
-    "completions/clipped_ratio", "prompts_sha", "heldout_reward", "heldout_budgets", "otb/lr_decay_trigger",
-    "otb/grad_norm_surge", "otb/energy_own_pass",
-)  # fmt: skip
+    "step",
+    "generated_tokens",
+    "train_seconds",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "grad_norm",
+    "clipped",
+    "learning_rate",
+    "entropy",
+    "completions/mean_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "prompts_sha",
+    "heldout_reward",
+    "heldout_budgets",
+    "otb/lr_decay_trigger",
+    "otb/grad_norm_surge",
+    "otb/energy_own_pass",
+)
 KEEP_PREFIXES = ("otb/horizon/",)
 # Keys of an experiment's YAML that are not its protocol.
 NOT_PROTOCOL = ("description", "quick")
@@ -108,24 +123,37 @@ def _git_committed(path: Path) -> dict[str, Any]:
     """Whether `path` is committed unchanged in the checkout it lies in (and at which commit)."""
     try:
         cwd = path.resolve().parent
-        status = subprocess.run(["git", "status", "--porcelain", "--", path.name], cwd=cwd,
-                                capture_output=True, text=True, timeout=20)  # fmt: skip
-        head = subprocess.run(["git", "log", "-1", "--format=%H", "--", path.name], cwd=cwd,
-                              capture_output=True, text=True, timeout=20)  # fmt: skip
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", path.name],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        head = subprocess.run(
+            ["git", "log", "-1", "--format=%H", "--", path.name],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.SubprocessError):
         return {"committed": None, "commit": None}
     if status.returncode or head.returncode:
         return {"committed": None, "commit": None}
-    return {"committed": not status.stdout.strip() and bool(head.stdout.strip()),
-            "commit": head.stdout.strip() or None}  # fmt: skip
+    return {
+        "committed": not status.stdout.strip() and bool(head.stdout.strip()),
+        "commit": head.stdout.strip() or None,
+    }
 
 
 class ProtocolChanged(RuntimeError):
     """The experiment's protocol differs from the one registered when its first run started."""
 
 
-def register(folder: Path, proto: dict[str, Any], source: Path | None, amend: str | None = None
-             ) -> dict[str, Any]:  # fmt: skip
+def register(
+    folder: Path, proto: dict[str, Any], source: Path | None, amend: str | None = None
+) -> dict[str, Any]:
     """The registration of `folder`'s experiment (its protocol.json), written at the first run. A protocol
     that differs from the registered one (and from its last amendment) raises ProtocolChanged, unless
     `amend` gives the reason: then it is recorded as an amendment and runs go on."""
@@ -149,8 +177,9 @@ def register(folder: Path, proto: dict[str, Any], source: Path | None, amend: st
             f"{', '.join(changed)}. Undo the change, or record it with --amend 'REASON' (claims.md then "
             "lists it as a change after the first run started)"
         )
-    reg["amendments"].append({"hash": digest, "at": now(), "reason": amend, "changed": changed, **git,
-                              "protocol": proto})  # fmt: skip
+    reg["amendments"].append(
+        {"hash": digest, "at": now(), "reason": amend, "changed": changed, **git, "protocol": proto}
+    )
     path.write_text(json.dumps(reg, indent=1, default=str) + "\n")
     return reg
 
@@ -289,9 +318,11 @@ def execute(
             recorded.append(r)
     todo = [r for r in runs if r not in recorded and not is_done(r)]
     if len(todo) < len(runs):
-        log(f"{len(runs) - len(todo)} of {len(runs)} runs already done"
+        log(
+            f"{len(runs) - len(todo)} of {len(runs)} runs already done"
             + (f" ({len(recorded)} with a record in {records})" if records is not None else "")
-            + " (delete a run's record and directory to redo it)")  # fmt: skip
+            + " (delete a run's record and directory to redo it)"
+        )
     failures: list[str] = []
     bar = tqdm(total=len(todo), desc=f"{name} runs", unit="run") if tqdm is not None else None
 

@@ -98,8 +98,14 @@ class Bench:
 
     def batch(self, n: int) -> Samples:
         with self.timed("sampling"):
-            return draw(self.model, self.tokenizer, self.task, [next(self.pool) for _ in range(self.prompts)],
-                        n, self.gen)  # fmt: skip
+            return draw(
+                self.model,
+                self.tokenizer,
+                self.task,
+                [next(self.pool) for _ in range(self.prompts)],
+                n,
+                self.gen,
+            )
 
 
 def token_logprobs(model: torch.nn.Module, r: Samples) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,7 +292,7 @@ def measure_group_size(
         # the K batches: length_cv, energy_cv, reward_spread, energy_reward_corr (stability.group_horizons)
         "horizon": {
             key.removeprefix("horizon/"): sum(h[key] for h in horizons) / len(horizons) for key in horizons[0]
-        },  # fmt: skip
+        },
     }
 
 

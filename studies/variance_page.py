@@ -68,10 +68,15 @@ def _headline(res: dict[str, Any], group_mean: str, verdict_rows: list[tuple[str
     if not names:
         return []
     rows = [
-        [f"N={n}", *(interval_cell(res["per_n"][n]["nsr_ratios"][r]) if r in res["per_n"][n]["nsr_ratios"]
-                     else "-" for r in names)]
+        [
+            f"N={n}",
+            *(
+                interval_cell(res["per_n"][n]["nsr_ratios"][r]) if r in res["per_n"][n]["nsr_ratios"] else "-"
+                for r in names
+            ),
+        ]
         for n in ns
-    ]  # fmt: skip
+    ]
     verdicts = [list(row[:3]) for row in verdict_rows]
     return [
         "## Headline: noise-to-signal ratios at equal N (paired, same batches, 95% interval)",
@@ -172,12 +177,13 @@ def _tables(res: dict[str, Any]) -> list[str]:
     ratio_rows = [
         [f"N={n}"]
         + [
-            "{:.3f} ± {:.3f} (K={})".format(*res["per_n"][n]["ratios"][r]) if r in res["per_n"][n]["ratios"]
+            "{:.3f} ± {:.3f} (K={})".format(*res["per_n"][n]["ratios"][r])
+            if r in res["per_n"][n]["ratios"]
             else "-"
             for r in names
         ]
         for n in ns
-    ]  # fmt: skip
+    ]
     return lines + [
         "## Raw variance ratios at equal N (paired, same batches; ± jackknife SE)",
         "",
@@ -244,8 +250,9 @@ def task_horizon(res: dict[str, Any]) -> dict[str, float]:
     return {k: sum(b[k] for b in blocks) / len(blocks) for k in keys}
 
 
-def report(res: dict[str, Any], group_mean: str, reference_group_size: int,
-           verdict_rows: list[tuple[str, ...]]) -> str:  # fmt: skip
+def report(
+    res: dict[str, Any], group_mean: str, reference_group_size: int, verdict_rows: list[tuple[str, ...]]
+) -> str:
     """The page as markdown. group_mean: the estimator label OTB is set against; reference_group_size:
     the N of the reference gradient's samples; verdict_rows: the study's claims rows with their
     verdicts (`claims`, which reads this module's helpers: passed in, not imported)."""

@@ -13,10 +13,18 @@ VOCAB = 52  # the character tokenizer's size, so the same models serve the TRL t
 SHARPEN = 20.0  # head weight multiplier: logits of tens, where capping and scaling change the softmax
 
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-    num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
-    bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),

@@ -77,8 +77,10 @@ def test_sampled_mask_covers_exactly_the_policy_tokens(loop):
         assert eos not in row[: n - 1]  # nothing after the first <eos> is the policy's
         assert n == len(row) or row[n - 1] == eos  # a row ends at its <eos> or at the length limit
     texts = loop.decode(tokens)
-    assert all(t == "".join(loop.CHARS[i] for i in row[: n - (row[n - 1] == eos)])
-               for t, row, n in zip(texts, tokens.tolist(), lengths.tolist(), strict=True))  # fmt: skip
+    assert all(
+        t == "".join(loop.CHARS[i] for i in row[: n - (row[n - 1] == eos)])
+        for t, row, n in zip(texts, tokens.tolist(), lengths.tolist(), strict=True)
+    )
 
 
 def test_a_few_steps_change_the_parameters(loop):

@@ -296,8 +296,11 @@ def test_the_toy_table_is_what_the_toy_study_prints():
     command = [sys.executable, "-m", "studies.toy"]  # the command docs/library.md gives
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=120, env=env).stdout
-    rows = re.findall(r"^\| ([a-z_ ()-]+?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$",
-                      text(ROOT / "docs" / "library.md"), flags=re.M)  # fmt: skip
+    rows = re.findall(
+        r"^\| ([a-z_ ()-]+?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$",
+        text(ROOT / "docs" / "library.md"),
+        flags=re.M,
+    )
     assert len(rows) == 7
     for name, *numbers in rows:
         printed = re.search(rf"^{re.escape(name)}\s+(.*)$", out, flags=re.M)

@@ -39,8 +39,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "otbrl", src / "otbrl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(src)],
-                   check=True, timeout=600)  # fmt: skip
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(src)],
+        check=True,
+        timeout=600,
+    )
     (wheel,) = (tmp / "dist").glob("otbrl-*.whl")
     site = tmp / "site"
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=600)
@@ -50,8 +53,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def otbrl(site: Path, cwd: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     """The installed `otbrl` script, run from `cwd` with the installed package first on the path."""
     env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1", "OTBRL_CACHE": str(cwd / "cache")}
-    return subprocess.run([str(site / "bin" / "otbrl"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [str(site / "bin" / "otbrl"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_the_wheel_holds_every_file_of_the_package(installed):
@@ -65,8 +74,11 @@ def test_the_wheel_holds_every_file_of_the_package(installed):
     for folder in ("otbrl/app/recipes/", "otbrl/tasks/checkpoints/"):
         assert any(n.startswith(folder) for n in inside), folder
     # The evidence suite stays in the repository: no experiment, protocol or claims code, and no scipy.
-    suite = [n for n in inside if n.startswith("studies/") or n.endswith(("claims.py", "protocol.json"))
-             or "/experiments/" in n]  # fmt: skip
+    suite = [
+        n
+        for n in inside
+        if n.startswith("studies/") or n.endswith(("claims.py", "protocol.json")) or "/experiments/" in n
+    ]
     assert not suite, suite
     assert requires and not [r for r in requires if "scipy" in r], requires
 
@@ -76,10 +88,29 @@ def test_installed_commands_work_from_an_unrelated_directory(installed, tmp_path
     where = otbrl(site, tmp_path, "recipes")
     assert where.returncode == 0 and "gsm8k-qwen2.5-0.5b" in where.stdout.split()
     # The user's own comparison, on the packaged demo recipe and its shipped warm-start checkpoint.
-    fast = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
-            "--eval_size", "8", "--train_size", "64", "--save_strategy", "no", "--report_to", "[]",
-            "--threads", "1", "--disable_tqdm", "true"]  # fmt: skip
-    quick = otbrl(site, tmp_path, "compare", "--config", "demo", "--arms", "otb,grpo", "--seeds", "0,1", *fast)
+    fast = [
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "8",
+        "--num_generations",
+        "4",
+        "--eval_size",
+        "8",
+        "--train_size",
+        "64",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "[]",
+        "--threads",
+        "1",
+        "--disable_tqdm",
+        "true",
+    ]
+    quick = otbrl(
+        site, tmp_path, "compare", "--config", "demo", "--arms", "otb,grpo", "--seeds", "0,1", *fast
+    )
     assert quick.returncode == 0, (quick.stdout[-2000:], quick.stderr[-2000:])
     page = tmp_path / "runs" / "compare-demo" / "compare.md"
     assert page.is_file() and (page.parent / "compare.png").is_file()
@@ -90,6 +121,7 @@ def test_installed_commands_work_from_an_unrelated_directory(installed, tmp_path
     # The commands ran the installed copy, not this checkout.
     code = "import otbrl; print(otbrl.__file__)"
     env = {**os.environ, "PYTHONPATH": str(site)}
-    probe = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                           text=True)  # fmt: skip
+    probe = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert probe.stdout.strip() == str(site / "otbrl" / "__init__.py")

@@ -90,8 +90,12 @@ def metrics_callback(
             if "completions/mean_length" in logs:
                 self.generated += logs["completions/mean_length"] * tokens_per_step
             if "loss" in logs or "reward" in logs:
-                row = {"step": state.global_step, "generated_tokens": self.generated,
-                       "train_seconds": round(self.seconds, 3), **logs}  # fmt: skip
+                row = {
+                    "step": state.global_step,
+                    "generated_tokens": self.generated,
+                    "train_seconds": round(self.seconds, 3),
+                    **logs,
+                }
                 if "grad_norm" in logs and args.max_grad_norm:
                     row["clipped"] = bool(logs["grad_norm"] > args.max_grad_norm)
                 if ledger is not None:
@@ -131,9 +135,11 @@ def progress_callback(tokens_per_step: int, bar: bool) -> Any:
                 return
             now = time.perf_counter()
             tokens = logs.get("completions/mean_length", 0.0) * tokens_per_step
-            parts = [f"reward {logs['reward']:.3f}" if "reward" in logs else None,
-                     f"grad norm {logs['grad_norm']:.3g}" if "grad_norm" in logs else None,
-                     f"{tokens / max(now - self.clock, 1e-9):,.0f} tok/s"]  # fmt: skip
+            parts = [
+                f"reward {logs['reward']:.3f}" if "reward" in logs else None,
+                f"grad norm {logs['grad_norm']:.3g}" if "grad_norm" in logs else None,
+                f"{tokens / max(now - self.clock, 1e-9):,.0f} tok/s",
+            ]
             text = "  ".join(p for p in parts if p)
             if self.bar is not None:
                 self.bar.update(state.global_step - self.step)

@@ -150,8 +150,12 @@ def add_compare(sub: Subparsers) -> argparse.ArgumentParser:
         help="train a recipe under several estimators x seeds: held-out table with paired intervals, plot",
     )
     p.add_argument("--config", required=True, help="a recipe file, or a packaged recipe (as for train)")
-    p.add_argument("--arms", required=True, type=lambda s: s.split(","),
-                   help="estimators, comma-separated; the first is the reference (e.g. otb,grpo)")  # fmt: skip
+    p.add_argument(
+        "--arms",
+        required=True,
+        type=lambda s: s.split(","),
+        help="estimators, comma-separated; the first is the reference (e.g. otb,grpo)",
+    )
     p.add_argument("--seeds", type=int_list, default=[0, 1, 2], help="seeds, e.g. 0-4 or 1,3 (default 0-2)")
     p.add_argument("--out", type=Path, help="where runs and the page go (default runs/compare-RECIPE)")
     return p

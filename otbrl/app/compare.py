@@ -28,8 +28,14 @@ def run_dir(out: Path, arm: str, seed: int) -> Path:
     return out / arm / f"seed{seed}"
 
 
-def train_arms(config: str, arms: list[str], seeds: list[int], out: Path, overrides: dict[str, Any],
-               log: Callable[[str], Any] = print) -> dict[str, dict[int, dict[str, Any]]]:  # fmt: skip
+def train_arms(
+    config: str,
+    arms: list[str],
+    seeds: list[int],
+    out: Path,
+    overrides: dict[str, Any],
+    log: Callable[[str], Any] = print,
+) -> dict[str, dict[int, dict[str, Any]]]:
     """Train (or read back) every arm x seed; {arm: {seed: summary}}. Every recipe is checked before
     the first run trains, so a bad override fails at once, not after hours."""
     if len(set(arms)) != len(arms) or len(arms) < 2:
@@ -37,10 +43,18 @@ def train_arms(config: str, arms: list[str], seeds: list[int], out: Path, overri
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds: need distinct seeds, got {seeds}")
     recipes = {
-        (arm, seed): load_recipe(config, {**overrides, "advantage_estimator": arm, "seed": seed,
-                                          "output_dir": str(run_dir(out, arm, seed))})
-        for seed in seeds for arm in arms
-    }  # fmt: skip
+        (arm, seed): load_recipe(
+            config,
+            {
+                **overrides,
+                "advantage_estimator": arm,
+                "seed": seed,
+                "output_dir": str(run_dir(out, arm, seed)),
+            },
+        )
+        for seed in seeds
+        for arm in arms
+    }
     summaries: dict[str, dict[int, dict[str, Any]]] = {arm: {} for arm in arms}
     for i, ((arm, seed), recipe) in enumerate(recipes.items(), 1):
         done = run_dir(out, arm, seed) / "summary.json"
@@ -73,8 +87,10 @@ def comparison_table(summaries: dict[str, dict[int, dict[str, Any]]]) -> str:
             paired = sorted(set(runs) & set(summaries[first]))
             diff = str(mean_interval([runs[k][AFTER] - summaries[first][k][AFTER] for k in paired]))
         before = f"{sum(befores) / len(befores):.3f}" if befores else "—"
-        lines.append(f"| {arm} | {len(runs)} | {before} | {sum(afters) / len(afters):.3f} | "
-                     f"{sum(tokens) / len(tokens):.0f} | {diff} |")  # fmt: skip
+        lines.append(
+            f"| {arm} | {len(runs)} | {before} | {sum(afters) / len(afters):.3f} | "
+            f"{sum(tokens) / len(tokens):.0f} | {diff} |"
+        )
     return "\n".join(lines)
 
 
@@ -100,8 +116,15 @@ def plot_comparison(out: Path, summaries: dict[str, dict[int, dict[str, Any]]], 
             vals = [s[key] for s in runs.values() if s.get(key) is not None]
             if vals:
                 iv = mean_interval(vals)
-                heldout_ax.errorbar(x + 0.06 * i, iv.mean, yerr=iv.hi - iv.mean, capsize=3, marker="o",
-                                    label=arm if x == 1 else None, **style)  # fmt: skip
+                heldout_ax.errorbar(
+                    x + 0.06 * i,
+                    iv.mean,
+                    yerr=iv.hi - iv.mean,
+                    capsize=3,
+                    marker="o",
+                    label=arm if x == 1 else None,
+                    **style,
+                )
     curve_ax.set(xlabel="generated tokens", ylabel="train reward (trailing mean of 10 steps)")
     heldout_ax.set(xticks=[0, 1], xticklabels=["before training", "after"], ylabel="held-out reward (95% CI)")
     for ax in (curve_ax, heldout_ax):
@@ -111,8 +134,15 @@ def plot_comparison(out: Path, summaries: dict[str, dict[int, dict[str, Any]]], 
     save(fig, png, dpi=100)
 
 
-def compare(config: str, arms: list[str], seeds: list[int], out: Path, overrides: dict[str, Any],
-            plot: bool = True, log: Callable[[str], Any] = print) -> Path:  # fmt: skip
+def compare(
+    config: str,
+    arms: list[str],
+    seeds: list[int],
+    out: Path,
+    overrides: dict[str, Any],
+    plot: bool = True,
+    log: Callable[[str], Any] = print,
+) -> Path:
     """Train the arms, then write `<out>/compare.md` (and compare.png). Returns the page's path."""
     summaries = train_arms(config, arms, seeds, out, overrides, log)
     page = out / "compare.md"

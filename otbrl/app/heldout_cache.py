@@ -44,8 +44,9 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps([type(tokenizer).__name__, vocab, special]).encode()).hexdigest()
 
 
-def before_key(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, Any]],
-               settings: dict[str, Any]) -> str:  # fmt: skip
+def before_key(
+    model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, Any]], settings: dict[str, Any]
+) -> str:
     """The key of a step-0 held-out score: everything it is a function of. `settings`: the sampling and
     scoring settings (max tokens, temperature, seed, tools, turns, autocast, reward), JSON-able."""
     parts = {

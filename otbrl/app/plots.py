@@ -53,14 +53,23 @@ def plot_curves(metrics: Path, png: Path, title: str = "", before: float | None 
     top.legend(loc="lower right")
     top.set_title(title)
     lengths = [r for r in rows if "completions/mean_length" in r]
-    middle.plot([r["generated_tokens"] for r in lengths], [r["completions/mean_length"] for r in lengths],
-                lw=1, label="mean completion length")  # fmt: skip
+    middle.plot(
+        [r["generated_tokens"] for r in lengths],
+        [r["completions/mean_length"] for r in lengths],
+        lw=1,
+        label="mean completion length",
+    )
     middle.set_ylabel("tokens")
     cv = [r for r in rows if r.get("otb/horizon/length_cv") is not None]
     if cv:
         twin = middle.twinx()
-        twin.plot([r["generated_tokens"] for r in cv], [r["otb/horizon/length_cv"] for r in cv], lw=1,
-                  color="tab:orange", alpha=0.7)  # fmt: skip
+        twin.plot(
+            [r["generated_tokens"] for r in cv],
+            [r["otb/horizon/length_cv"] for r in cv],
+            lw=1,
+            color="tab:orange",
+            alpha=0.7,
+        )
         twin.set_ylabel("length CV within groups", color="tab:orange")
     normed = [r for r in rows if "grad_norm" in r]
     bottom.plot([r["generated_tokens"] for r in normed], [r["grad_norm"] for r in normed], lw=1)
@@ -99,8 +108,15 @@ def band(xs: list[list[float]], ys: list[list[float]], points: int = 60) -> tupl
     return grid, mean, half
 
 
-def _arm_band(ax: Any, runs: list[dict[str, Any]], x: str, y: str, style: dict[str, Any], label: str,
-              log_y: bool = False) -> None:  # fmt: skip
+def _arm_band(
+    ax: Any,
+    runs: list[dict[str, Any]],
+    x: str,
+    y: str,
+    style: dict[str, Any],
+    label: str,
+    log_y: bool = False,
+) -> None:
     usable = [r for r in runs if len(r[x]) > 1]
     if not usable:
         return
@@ -124,12 +140,17 @@ def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> 
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     arms = list(result["runs"].items())
     for i, (arm, runs) in enumerate(arms):
-        style = {"color": colours[i % len(colours)], "ls": STYLES[i % len(STYLES)],
-                 "marker": MARKERS[i % len(MARKERS)]}  # fmt: skip
+        style = {
+            "color": colours[i % len(colours)],
+            "ls": STYLES[i % len(STYLES)],
+            "marker": MARKERS[i % len(MARKERS)],
+        }
         _arm_band(reward_ax, runs, "tokens", "smooth", style, arm)
         _arm_band(length_ax, runs, "tokens", "length", style, arm)
-        smoothed = [{**r, "norm": moving_average([n if n == n else 0.0 for n in r["grad_norm"]], 5, False)}
-                    for r in runs]  # fmt: skip
+        smoothed = [
+            {**r, "norm": moving_average([n if n == n else 0.0 for n in r["grad_norm"]], 5, False)}
+            for r in runs
+        ]
         _arm_band(norm_ax, smoothed, "steps", "norm", style, arm, log_y=True)
         budgets = sorted({b for r in runs for b in r["heldout"]})
         xs, means, halves = [], [], []
@@ -139,8 +160,11 @@ def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> 
                 continue
             xs.append(b * (1 + 0.03 * (i - len(arms) / 2)) if b else 0.0)  # side by side, not on top
             means.append(float(np.mean(vals)))
-            halves.append(float(t_quantile(0.975, len(vals) - 1) * np.std(vals, ddof=1) / np.sqrt(len(vals)))
-                          if len(vals) > 1 else 0.0)  # fmt: skip
+            halves.append(
+                float(t_quantile(0.975, len(vals) - 1) * np.std(vals, ddof=1) / np.sqrt(len(vals)))
+                if len(vals) > 1
+                else 0.0
+            )
         heldout_ax.errorbar(xs, means, yerr=halves, capsize=3, label=arm, **{**style, "ms": 5})
         for r in runs:
             for s in r["surges"]:
@@ -148,8 +172,9 @@ def plot_arms(result: dict[str, Any], png: Path, title: str, smoothing: str) -> 
     reward_ax.set(xlabel="generated tokens", ylabel=f"train reward (centred mean over {smoothing})")
     length_ax.set(xlabel="generated tokens", ylabel="mean completion length (tokens)")
     heldout_ax.set(xlabel="generated tokens (budget)", ylabel="held-out reward (mean, 95% CI)")
-    norm_ax.set(xlabel="step", ylabel="pre-clip gradient norm (trailing mean of 5; lines: surges)",
-                yscale="log")  # fmt: skip
+    norm_ax.set(
+        xlabel="step", ylabel="pre-clip gradient norm (trailing mean of 5; lines: surges)", yscale="log"
+    )
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)
         ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 3)) if ax is not norm_ax else None

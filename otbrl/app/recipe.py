@@ -231,9 +231,17 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
     """Ranges and cross-field rules of a typed recipe; returns its OTBGRPOConfig. Cheap: no data, no
     model."""
     given, recipe = recipe, {**_schema()[2], **recipe}  # dataclass defaults of keys left out
-    positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length",
-                "eval_size", "train_size", "threads", "max_turns", "logging_steps",
-                "num_iterations")  # fmt: skip
+    positive = (
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "max_completion_length",
+        "eval_size",
+        "train_size",
+        "threads",
+        "max_turns",
+        "logging_steps",
+        "num_iterations",
+    )
     for key in positive:
         _at_least(recipe, key, 1)
     for key in ("learning_rate", "warm_start_target", "beta"):

@@ -30,8 +30,10 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?$")
 
 
 def _offline() -> bool:
-    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
-               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))  # fmt: skip
+    return any(
+        os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def _first_line(err: BaseException) -> str:
@@ -191,7 +193,7 @@ def gguf_file(spec: str) -> Path | None:
     """The GGUF file `spec` names: a `.gguf` file, a folder holding exactly one, or
     `package:<package>/<file>` inside an installed Python package. None when `spec` names no GGUF."""
     if spec.startswith(PACKAGE):
-        return _packaged_file(spec[len(PACKAGE):])
+        return _packaged_file(spec[len(PACKAGE) :])
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():

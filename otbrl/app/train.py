@@ -148,9 +148,16 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     def evaluate_now() -> float:
         with autocast(config):  # sampled in the precision training samples in
             return evaluate(
-                model, tokenizer, eval_rows, score, config.max_completion_length, config.temperature,
-                recipe["seed"], tools, max_turns,
-            )  # fmt: skip
+                model,
+                tokenizer,
+                eval_rows,
+                score,
+                config.max_completion_length,
+                config.temperature,
+                recipe["seed"],
+                tools,
+                max_turns,
+            )
 
     trainer = OTBGRPOTrainer(
         model=model,
@@ -164,10 +171,17 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     # step-0 score is sampled there, in training's precision, like the scores at the token budgets.
     before, reused = None, False
     if recipe["eval_before"]:
-        settings = {"max_new_tokens": config.max_completion_length, "temperature": config.temperature,
-                    "seed": recipe["seed"], "tools": list(tools), "max_turns": max_turns,
-                    "bf16": bool(config.bf16), "fp16": bool(config.fp16), "reward": recipe["reward"],
-                    "task": recipe["task"]}  # fmt: skip
+        settings = {
+            "max_new_tokens": config.max_completion_length,
+            "temperature": config.temperature,
+            "seed": recipe["seed"],
+            "tools": list(tools),
+            "max_turns": max_turns,
+            "bf16": bool(config.bf16),
+            "fp16": bool(config.fp16),
+            "reward": recipe["reward"],
+            "task": recipe["task"],
+        }
         folder = cache_folder()
         key = before_key(model, tokenizer, eval_rows, settings) if folder is not None else ""
         before, reused = cached_score(folder, key, evaluate_now)
@@ -209,8 +223,11 @@ def autocast(config: Any) -> Any:
 
 def written(out: Path) -> list[str]:
     """What a run left in its output_dir, for the closing message."""
-    names = [n for n in ("summary.md", "summary.json", "metrics.jsonl", "curves.png", "recipe.yaml")
-             if (out / n).is_file()]  # fmt: skip
+    names = [
+        n
+        for n in ("summary.md", "summary.json", "metrics.jsonl", "curves.png", "recipe.yaml")
+        if (out / n).is_file()
+    ]
     if next(out.rglob("events.out.tfevents*"), None) is not None:
         names.append("TensorBoard logs")
     checkpoints = sorted(p.name for p in out.glob("checkpoint-*") if p.is_dir())
@@ -230,8 +247,9 @@ def _rollouts(tools: tuple[str, ...], max_turns: int, sampler: str) -> dict[str,
     return {"rollout_func": rollout_func(list(tools), max_turns) if tools else sampler_rollout_func()}
 
 
-def summarise(metrics: Path, config: Any, before: float | None, after: float, seconds: float
-              ) -> dict[str, Any]:  # fmt: skip
+def summarise(
+    metrics: Path, config: Any, before: float | None, after: float, seconds: float
+) -> dict[str, Any]:
     rows = read_metrics(metrics)
     rewards = [r["reward"] for r in rows if "reward" in r]
     norms = [r["grad_norm"] for r in rows if "grad_norm" in r]

@@ -95,9 +95,15 @@ def sample(
     prompt_mask = enc["attention_mask"].to(device).repeat_interleave(num_samples, dim=0)  # (B, P)
     group_ids = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)  # (B,)
     out = decode(
-        model, prompt_ids, prompt_mask, max_new_tokens, temperature, tokenizer.eos_token_id,
-        tokenizer.pad_token_id, generator=generator,
-    )  # fmt: skip
+        model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens,
+        temperature,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        generator=generator,
+    )
     return Samples(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,

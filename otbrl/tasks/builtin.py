@@ -126,10 +126,12 @@ def demonstrate_product3(prompt: str, answer: str, rng: random.Random) -> list[t
         return [(answer, True)]
     ab = str(int(a) * int(b))
     return [
-        (f"calc({a}*{b})", True), (f":{ab};", False),
-        (f"calc({ab}*{c})", True), (f":{answer};", False),
+        (f"calc({a}*{b})", True),
+        (f":{ab};", False),
+        (f"calc({ab}*{c})", True),
+        (f":{answer};", False),
         (answer, True),
-    ]  # fmt: skip
+    ]
 
 
 def tool_answer_reward(completion: str, answer: str) -> float:
@@ -295,9 +297,10 @@ def dataset(task: str | Task, n: int, seed: int = 0, split: Split | None = None)
     misses = 0
     while len(rows) < n:
         prompt, answer = (
-            make() if split is None
+            make()
+            if split is None
             else draw(make, split, task.heldout_fraction, task.name, key=task.split_key)
-        )  # fmt: skip
+        )
         if split == "heldout" and prompt in seen:
             misses += 1
             if misses > 50 * n + 10_000:  # coupon collecting the last prompts of a side takes ~ln(size) x

@@ -36,8 +36,11 @@ def make_sum(rng: random.Random) -> tuple[str, str]:
 
 
 _ITEMS = ("eggs", "apples", "cookies", "stamps", "cups", "books", "plants", "chairs")
-_HOLDERS = ("A box holds {a} rows of {b} {item}.", "A shelf has {a} rows with {b} {item} in each row.",
-            "There are {a} bags with {b} {item} in each bag.")  # fmt: skip
+_HOLDERS = (
+    "A box holds {a} rows of {b} {item}.",
+    "A shelf has {a} rows with {b} {item} in each row.",
+    "There are {a} bags with {b} {item} in each bag.",
+)
 
 
 def make_rows(rng: random.Random) -> tuple[str, str]:

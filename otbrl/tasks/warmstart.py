@@ -185,9 +185,15 @@ def _train(
 
     def eval_reward() -> float:
         return evaluate(
-            model, tokenizer, eval_rows, task.score, task.max_completion_tokens, seed=spec["seed"],
-            tools=task.tools, max_turns=task.max_turns,
-        )  # fmt: skip
+            model,
+            tokenizer,
+            eval_rows,
+            task.score,
+            task.max_completion_tokens,
+            seed=spec["seed"],
+            tools=task.tools,
+            max_turns=task.max_turns,
+        )
 
     start, step, reward, loss, history = time.perf_counter(), 0, 0.0, float("nan"), []
     snapshots: list[tuple[int, dict[str, torch.Tensor]]] = []  # states since the last evaluation

@@ -27,25 +27,55 @@ def _ci(mean: float, lo: float, hi: float, n: int = 5) -> dict:
 
 
 def _comparison(name: str, kind: str, cand: str, base: str, heldout: list, verdict: str, **extra) -> dict:
-    return {"name": name, "claim": f"claim {name}", "kind": kind, "candidate": cand, "baseline": base,
-            "margin": extra.pop("margin", 0.0), "heldout": heldout, "tokens": extra.pop("tokens", []),
-            "verdict": verdict, **extra}  # fmt: skip
+    return {
+        "name": name,
+        "claim": f"claim {name}",
+        "kind": kind,
+        "candidate": cand,
+        "baseline": base,
+        "margin": extra.pop("margin", 0.0),
+        "heldout": heldout,
+        "tokens": extra.pop("tokens", []),
+        "verdict": verdict,
+        **extra,
+    }
 
 
 def _walk_result() -> dict:
-    spreads = {"length_cv_start": [0.5, 0.56], "energy_cv_start": [1.0, 1.2],
-               "reward_spread_start": [0.9, 0.9]}  # fmt: skip
+    spreads = {
+        "length_cv_start": [0.5, 0.56],
+        "energy_cv_start": [1.0, 1.2],
+        "reward_spread_start": [0.9, 0.9],
+    }
     arms = {a: {**spreads, "start": [0.3, 0.32], "final": [0.5, 0.52]} for a in ("otb-N4", "grpo-N4")}
-    held = [{"budget": 100000, "baseline_budget": 100000, "interval": _ci(0.03, 0.01, 0.05),
-             "verdict": "held"}]  # fmt: skip
-    tokens = [{"threshold": 0.45, "interval": _ci(12000.0, -3000.0, 27000.0), "verdict": "inconclusive",
-               "reached": [5, 4]}]  # fmt: skip
-    matches = [{"budget": 300000, "baseline_budget": 900000, "interval": _ci(-0.01, -0.05, 0.03, n=3),
-                "verdict": "inconclusive"}]  # fmt: skip
-    return {"arms": arms, "comparisons": [
-        _comparison("OTB vs GRPO, N=4", "better", "otb-N4", "grpo-N4", held, "inconclusive", tokens=tokens),
-        _comparison("big", "matches", "otb-N4", "grpo-N32", matches, "inconclusive", margin=0.03),
-    ]}  # fmt: skip
+    held = [
+        {"budget": 100000, "baseline_budget": 100000, "interval": _ci(0.03, 0.01, 0.05), "verdict": "held"}
+    ]
+    tokens = [
+        {
+            "threshold": 0.45,
+            "interval": _ci(12000.0, -3000.0, 27000.0),
+            "verdict": "inconclusive",
+            "reached": [5, 4],
+        }
+    ]
+    matches = [
+        {
+            "budget": 300000,
+            "baseline_budget": 900000,
+            "interval": _ci(-0.01, -0.05, 0.03, n=3),
+            "verdict": "inconclusive",
+        }
+    ]
+    return {
+        "arms": arms,
+        "comparisons": [
+            _comparison(
+                "OTB vs GRPO, N=4", "better", "otb-N4", "grpo-N4", held, "inconclusive", tokens=tokens
+            ),
+            _comparison("big", "matches", "otb-N4", "grpo-N32", matches, "inconclusive", margin=0.03),
+        ],
+    }
 
 
 def test_comparison_rows_state_intervals_rule_and_horizon() -> None:
@@ -65,8 +95,13 @@ def test_comparison_rows_state_intervals_rule_and_horizon() -> None:
 
 
 def _ladder_arm(collapses: list, seeds=(0, 1), decays=None) -> dict:  # noqa: ANN001
-    return {"seed_list": list(seeds), "collapses": collapses, "surges": 0, "clip_fraction": [0.1, 0.2],
-            "decays": decays or [[] for _ in seeds]}  # fmt: skip
+    return {
+        "seed_list": list(seeds),
+        "collapses": collapses,
+        "surges": 0,
+        "clip_fraction": [0.1, 0.2],
+        "decays": decays or [[] for _ in seeds],
+    }
 
 
 def _ladder(otb: list[list], mean: list[list], decay: list | None = None, fired: bool | list = True) -> dict:
@@ -130,17 +165,24 @@ def test_write_claims_reports_what_is_missing(tmp_path) -> None:
 
 
 def _registered(result: dict, amendments: list | None = None, stamps: dict | None = None) -> dict:
-    reg = {"hash": "h1", "registered": "2026-01-01T00:00:00+00:00", "committed": True, "commit": "c" * 40,
-           "amendments": amendments or []}  # fmt: skip
+    reg = {
+        "hash": "h1",
+        "registered": "2026-01-01T00:00:00+00:00",
+        "committed": True,
+        "commit": "c" * 40,
+        "amendments": amendments or [],
+    }
     return {**result, "registration": reg, "protocols": stamps or {"h1": 4}}
 
 
 def test_registered_results_are_clean_and_amendments_are_listed(tmp_path) -> None:
     clean = comparison_rows(_registered(_walk_result()), "walk")[0]
     assert "Legacy" not in clean[1] and "amended" not in clean[1]
-    amended = _registered(_walk_result(), [{"hash": "h2", "at": "2026-01-02T00:00:00+00:00",
-                                            "reason": "more seeds", "changed": ["seeds"]}],
-                          {"h1": 2, "h2": 2})  # fmt: skip
+    amended = _registered(
+        _walk_result(),
+        [{"hash": "h2", "at": "2026-01-02T00:00:00+00:00", "reason": "more seeds", "changed": ["seeds"]}],
+        {"h1": 2, "h2": 2},
+    )
     row = comparison_rows(amended, "walk")[0]
     assert "protocol amended after its first run started" in row[1] and "2 under h1" in row[1]
     (tmp_path / "walk.json").write_text(json.dumps(amended))

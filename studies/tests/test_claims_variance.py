@@ -17,8 +17,17 @@ def _study(name: str, bounds: list[tuple[float, float]], k: int = 24, corr: dict
         str(n): {"nsr_ratios": {name: _iv(lo, hi, k)}, "length_cv": 0.5}
         for n, (lo, hi) in zip((4, 8), bounds, strict=True)
     }
-    cfg = {"task": "walk", "k": 24, "prompts": 4, "group_sizes": [4, 8], "estimators": ["otb"],
-           "exact_batches": 16, "ref_batches": 8, "seed": 0, "name": "variance-walk"}  # fmt: skip
+    cfg = {
+        "task": "walk",
+        "k": 24,
+        "prompts": 4,
+        "group_sizes": [4, 8],
+        "estimators": ["otb"],
+        "exact_batches": 16,
+        "ref_batches": 8,
+        "seed": 0,
+        "name": "variance-walk",
+    }
     return {"config": cfg, "per_n": per_n, "correlations": corr or {}}
 
 
@@ -61,10 +70,18 @@ def test_task_label_without_lengths() -> None:
 def test_task_label_states_the_samples_horizon() -> None:
     """Every study states, per task, how its samples differ inside a group: averaged over the study's N."""
     res = _study("otb / dr_grpo", [(0.4, 0.6), (0.7, 0.95)])
-    res["per_n"]["4"]["horizon"] = {"length_cv": 0.4, "energy_cv": 1.0, "energy_reward_corr": -0.2,
-                                    "reward_spread": 0.5}  # fmt: skip
-    res["per_n"]["8"]["horizon"] = {"length_cv": 0.6, "energy_cv": 1.2, "energy_reward_corr": -0.4,
-                                    "reward_spread": 0.7}  # fmt: skip
+    res["per_n"]["4"]["horizon"] = {
+        "length_cv": 0.4,
+        "energy_cv": 1.0,
+        "energy_reward_corr": -0.2,
+        "reward_spread": 0.5,
+    }
+    res["per_n"]["8"]["horizon"] = {
+        "length_cv": 0.6,
+        "energy_cv": 1.2,
+        "energy_reward_corr": -0.4,
+        "reward_spread": 0.7,
+    }
     assert task_label(res) == (
         "walk (within-group length CV 0.50, energy CV 1.10, energy–reward correlation -0.30, "
         "reward spread in 60% of groups in the study's samples)"

@@ -62,8 +62,11 @@ def test_metrics_round_trip(tmp_path) -> None:
 
 def test_markdown_table_compact_and_aligned() -> None:
     assert markdown_table(["a", "bb"], [[1, "x"], ["long", 2]], aligned=False).splitlines() == [
-        "| a | bb |", "|---|---|", "| 1 | x |", "| long | 2 |",
-    ]  # fmt: skip
+        "| a | bb |",
+        "|---|---|",
+        "| 1 | x |",
+        "| long | 2 |",
+    ]
     assert markdown_table(["a", "bb"], [[1, "x"]]).splitlines() == ["| a | bb |", "|--:|---:|", "| 1 |  x |"]
     with pytest.raises(ValueError, match="rows"):
         markdown_table(["a", "b"], [[1]])
@@ -95,35 +98,63 @@ def test_surges_on_the_smoothed_norm_without_zero_gradient_steps() -> None:
     assert surge_steps(steps, [math.nan] * 60, factor=3.0) == []
 
 
-def _fake_run(root: Path, arm: str, seed: int, rewards: list[float], tokens_per_step: float,
-              heldout: dict[int, float] | None = None, norms: list[float] | None = None,
-              prompts: list[str] | None = None) -> Run:  # fmt: skip
+def _fake_run(
+    root: Path,
+    arm: str,
+    seed: int,
+    rewards: list[float],
+    tokens_per_step: float,
+    heldout: dict[int, float] | None = None,
+    norms: list[float] | None = None,
+    prompts: list[str] | None = None,
+) -> Run:
     d = root / arm / f"seed{seed}"
     d.mkdir(parents=True)
     lines = []
     for i, r in enumerate(rewards):
         tokens = tokens_per_step * (i + 1)
-        row = {"step": i + 1, "generated_tokens": tokens, "reward": r,
-               "grad_norm": norms[i] if norms else 1.0, "clipped": bool(norms and norms[i] > 1.0),
-               "prompts_sha": prompts[i] if prompts else f"p{i}", "otb/horizon/length_cv": 0.5}  # fmt: skip
+        row = {
+            "step": i + 1,
+            "generated_tokens": tokens,
+            "reward": r,
+            "grad_norm": norms[i] if norms else 1.0,
+            "clipped": bool(norms and norms[i] > 1.0),
+            "prompts_sha": prompts[i] if prompts else f"p{i}",
+            "otb/horizon/length_cv": 0.5,
+        }
         due = [b for b in (heldout or {}) if tokens - tokens_per_step < b <= tokens]
         if due:
             row.update(heldout_reward=heldout[due[0]], heldout_budgets=due)
         lines.append(row)
     (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    (d / "summary.json").write_text(json.dumps({"held-out reward after": rewards[-1],
-                                                "held-out reward before": None}))  # fmt: skip
+    (d / "summary.json").write_text(
+        json.dumps({"held-out reward after": rewards[-1], "held-out reward before": None})
+    )
     return Run(arm, seed, d, {})
 
 
 def test_analysis_on_known_runs(tmp_path) -> None:
     comparisons = [
         {"name": "c", "kind": "better", "candidate": "otb", "baseline": "grpo", "budgets": [200, 400]},
-        {"name": "m", "kind": "matches", "margin": 0.05, "candidate": "otb", "baseline": "big",
-         "budgets": [400], "baseline_budgets": [1600]},
-    ]  # fmt: skip
-    exp = Experiment(name="t", recipe="demo", arms={"otb": {}, "grpo": {}, "big": {}}, seeds=[0, 1, 2],
-                     smooth=1, thresholds=[0.6], comparisons=comparisons)  # fmt: skip
+        {
+            "name": "m",
+            "kind": "matches",
+            "margin": 0.05,
+            "candidate": "otb",
+            "baseline": "big",
+            "budgets": [400],
+            "baseline_budgets": [1600],
+        },
+    ]
+    exp = Experiment(
+        name="t",
+        recipe="demo",
+        arms={"otb": {}, "grpo": {}, "big": {}},
+        seeds=[0, 1, 2],
+        smooth=1,
+        thresholds=[0.6],
+        comparisons=comparisons,
+    )
     rise = [0.2, 0.4, 0.6, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]
     slow = [0.2, 0.3, 0.4, 0.5, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6]
     runs = []
@@ -156,17 +187,21 @@ def test_analysis_on_known_runs(tmp_path) -> None:
 
 def test_prompt_check_finds_arms_that_saw_different_prompts(tmp_path) -> None:
     exp = Experiment(name="t", recipe="demo", arms={"a": {}, "b": {}}, seeds=[0], smooth=1)
-    runs = [_fake_run(tmp_path, "a", 0, [0.1] * 4, 10, prompts=["x", "y", "z", "w"]),
-            _fake_run(tmp_path, "b", 0, [0.1] * 4, 10, prompts=["x", "y", "q", "w"])]  # fmt: skip
+    runs = [
+        _fake_run(tmp_path, "a", 0, [0.1] * 4, 10, prompts=["x", "y", "z", "w"]),
+        _fake_run(tmp_path, "b", 0, [0.1] * 4, 10, prompts=["x", "y", "q", "w"]),
+    ]
     assert analyse(exp, runs)["prompt_problems"] == ["seed 0: b and a differ at 1 steps (first 3)"]
 
 
 def test_prompt_check_compares_only_arms_that_draw_as_many_prompts_a_step(tmp_path) -> None:
     # 64 samples a step: N=4 draws 16 prompts, N=32 draws 2; only same-size draws must match
     exp = Experiment(name="t", recipe="demo", arms={"a": {}, "b": {}, "big": {}}, seeds=[0], smooth=1)
-    runs = [_fake_run(tmp_path, "a", 0, [0.1] * 3, 10, prompts=["x", "y", "z"]),
-            _fake_run(tmp_path, "b", 0, [0.1] * 3, 10, prompts=["x", "q", "z"]),
-            _fake_run(tmp_path, "big", 0, [0.1] * 3, 10, prompts=["u", "v", "w"])]  # fmt: skip
+    runs = [
+        _fake_run(tmp_path, "a", 0, [0.1] * 3, 10, prompts=["x", "y", "z"]),
+        _fake_run(tmp_path, "b", 0, [0.1] * 3, 10, prompts=["x", "q", "z"]),
+        _fake_run(tmp_path, "big", 0, [0.1] * 3, 10, prompts=["u", "v", "w"]),
+    ]
     for run, n in zip(runs, (4, 4, 32), strict=True):
         run.overrides.update(num_generations=n, per_device_train_batch_size=64)
     assert analyse(exp, runs)["prompt_problems"] == ["seed 0: b and a differ at 1 steps (first 2)"]
@@ -233,8 +268,11 @@ def test_plan_keeps_the_prompt_budget_and_each_arms_seeds(tmp_path) -> None:
 def test_pilot_runs_every_arm_at_each_rate_on_its_own_seed(tmp_path) -> None:
     exp = load_experiment("walk")
     runs = pilot_plan(exp, tmp_path)
-    want = {(f"{a}@{lr:g}", lr) for a, o in exp.arms.items()
-            for lr in o.get("pilot_learning_rates", exp.pilot["learning_rates"])}  # fmt: skip
+    want = {
+        (f"{a}@{lr:g}", lr)
+        for a, o in exp.arms.items()
+        for lr in o.get("pilot_learning_rates", exp.pilot["learning_rates"])
+    }
     assert {(r.arm, r.overrides["learning_rate"]) for r in runs} == want and len(runs) == len(want)
     assert {r.seed for r in runs} == {exp.pilot["seed"]} and exp.pilot["seed"] not in exp.seeds
     factor = exp.pilot["token_factor"]
@@ -246,11 +284,21 @@ def test_pilot_runs_every_arm_at_each_rate_on_its_own_seed(tmp_path) -> None:
 
 
 def test_pilot_page_picks_the_best_rate_per_arm(tmp_path) -> None:
-    exp = Experiment(name="t", recipe="demo", arms={"a": {}, "b": {}}, seeds=[0], smooth=1,
-                     pilot={"seed": 9, "learning_rates": [1e-4, 3e-4]})  # fmt: skip
+    exp = Experiment(
+        name="t",
+        recipe="demo",
+        arms={"a": {}, "b": {}},
+        seeds=[0],
+        smooth=1,
+        pilot={"seed": 9, "learning_rates": [1e-4, 3e-4]},
+    )
     runs = []
-    for arm, lr, rewards in [("a", 1e-4, [0.3] * 8), ("a", 3e-4, [0.5] * 4 + [0.0] * 4),
-                             ("b", 1e-4, [0.2] * 8), ("b", 3e-4, [0.4] * 8)]:  # fmt: skip
+    for arm, lr, rewards in [
+        ("a", 1e-4, [0.3] * 8),
+        ("a", 3e-4, [0.5] * 4 + [0.0] * 4),
+        ("b", 1e-4, [0.2] * 8),
+        ("b", 3e-4, [0.4] * 8),
+    ]:
         run = _fake_run(tmp_path, f"{arm}@{lr:g}", 9, rewards, 10)
         run.overrides["learning_rate"] = lr
         runs.append(run)
@@ -261,11 +309,16 @@ def test_pilot_page_picks_the_best_rate_per_arm(tmp_path) -> None:
 
 def test_a_ladder_puts_every_arm_on_every_rung(tmp_path) -> None:
     path = tmp_path / "l.yaml"
-    path.write_text("recipe: demo\nseeds: [0, 1]\nladder: [1.0e-4, 1.0e-3]\nroles: {candidate: a}\n"
-                    "arms: {a: {}, b: {seeds: [0], ladder: [1.0e-3]}}\n")  # fmt: skip
+    path.write_text(
+        "recipe: demo\nseeds: [0, 1]\nladder: [1.0e-4, 1.0e-3]\nroles: {candidate: a}\n"
+        "arms: {a: {}, b: {seeds: [0], ladder: [1.0e-3]}}\n"
+    )
     exp = load_experiment(str(path))
     assert {r.arm: r.overrides["learning_rate"] for r in plan(exp, tmp_path)} == {
-        "a@0.0001": 1e-4, "a@0.001": 1e-3, "b@0.001": 1e-3}  # fmt: skip
+        "a@0.0001": 1e-4,
+        "a@0.001": 1e-3,
+        "b@0.001": 1e-3,
+    }
     assert exp.arm_seeds("b@0.001") == [0]
     path.write_text("recipe: demo\nseeds: [0]\nladder: [1.0e-4]\narms: {a: {learning_rate: 1}}\n")
     with pytest.raises(ValueError, match="the ladder sets it"):
@@ -293,8 +346,9 @@ def test_protocol_errors(tmp_path, extra, message) -> None:
 @pytest.mark.parametrize("name", experiment_names())
 def test_quick_mode_end_to_end(tmp_path, name) -> None:
     lines: list[str] = []
-    page, failures = compare(name, quick=True, jobs=2, runs_dir=tmp_path / "runs", results=tmp_path / "out",
-                             log=lines.append)  # fmt: skip
+    page, failures = compare(
+        name, quick=True, jobs=2, runs_dir=tmp_path / "runs", results=tmp_path / "out", log=lines.append
+    )
     assert failures == []
     exp = load_experiment(name, quick=True)
     text = page.read_text()
@@ -340,11 +394,20 @@ def test_ladder_figure_has_a_column_per_rung_and_marks_events(monkeypatch, tmp_p
 
     def run(seed, collapse=None, decays=()):  # noqa: ANN001, ANN202
         steps = list(range(1, 21))
-        return {"seed": seed, "steps": steps, "smooth": [0.3] * 20, "length": [80.0] * 20,
-                "collapse": collapse, "decays": list(decays)}  # fmt: skip
+        return {
+            "seed": seed,
+            "steps": steps,
+            "smooth": [0.3] * 20,
+            "length": [80.0] * 20,
+            "collapse": collapse,
+            "decays": list(decays),
+        }
 
-    runs = {"a@0.0001": [run(0), run(1)], "a@0.0004": [run(0, collapse=12), run(1)],
-            "b@0.0004": [run(0, decays=[7])]}  # fmt: skip
+    runs = {
+        "a@0.0001": [run(0), run(1)],
+        "a@0.0004": [run(0, collapse=12), run(1)],
+        "b@0.0004": [run(0, decays=[7])],
+    }
     ladder.plot_ladder_runs(runs, tmp_path / "x.png", "t", "128 samples")
     (fig,) = figures
     axes = fig.axes

@@ -39,8 +39,9 @@ def test_every_page_regenerates_unchanged_from_the_committed_records(tmp_path, m
         main(["compare", name, "--pilot", "--no-run"])
     main(["claims"])
     capsys.readouterr()
-    changed = sorted(n for n, blob in before.items() if not (copy / n).is_file() or (copy / n).read_bytes() != blob)
+    changed = sorted(
+        n for n, blob in before.items() if not (copy / n).is_file() or (copy / n).read_bytes() != blob
+    )
     assert not changed, f"rebuilt pages differ from the committed ones: {changed}"
     for name in experiments:
         assert (copy / f"{name}.png").is_file(), name
-

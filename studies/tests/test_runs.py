@@ -30,9 +30,17 @@ def _rows(rewards: list[float], tokens: float = 100.0, heldout: dict[int, float]
     out = []
     for i, r in enumerate(rewards):
         t = tokens * (i + 1)
-        row = {"step": i + 1, "generated_tokens": t, "reward": r, "grad_norm": 1.0, "clipped": False,
-               "prompts_sha": f"p{i}", "otb/horizon/length_cv": 0.4 + 0.01 * i, "loss": 0.5,
-               "epoch": 0.1}  # fmt: skip
+        row = {
+            "step": i + 1,
+            "generated_tokens": t,
+            "reward": r,
+            "grad_norm": 1.0,
+            "clipped": False,
+            "prompts_sha": f"p{i}",
+            "otb/horizon/length_cv": 0.4 + 0.01 * i,
+            "loss": 0.5,
+            "epoch": 0.1,
+        }
         due = [b for b in (heldout or {}) if t - tokens < b <= t]
         if due:
             row.update(heldout_reward=heldout[due[0]], heldout_budgets=due)
@@ -64,8 +72,9 @@ def test_protocol_is_registered_once_and_a_change_needs_an_amendment(tmp_path) -
     assert [a["changed"] for a in reg["amendments"]] == [["seeds"]]
     assert register(tmp_path, changed, None)["amendments"][0]["reason"].startswith("more seeds")
     # the pilot's protocol leaves out what the pilot decides: the rates it picks, the seeds it sizes
-    assert protocol(raw, "pilot") == protocol({**raw, "seeds": [5], "arms": {"a": {"learning_rate": 3.0}}},
-                                              "pilot")  # fmt: skip
+    assert protocol(raw, "pilot") == protocol(
+        {**raw, "seeds": [5], "arms": {"a": {"learning_rate": 3.0}}}, "pilot"
+    )
 
 
 def _fake_train(calls: list[str], tokens: float = 100.0, budgets: tuple[int, ...] = (600, 1200)):
@@ -76,8 +85,9 @@ def _fake_train(calls: list[str], tokens: float = 100.0, budgets: tuple[int, ...
         rewards = [0.3 + 0.02 * i + 0.01 * rng.random() for i in range(12)]
         rows = _rows(rewards, tokens, heldout={b: rewards[-1] for b in budgets})
         write_metrics(run.dir / "metrics.jsonl", rows)
-        (run.dir / "summary.json").write_text(json.dumps({"held-out reward before": 0.3,
-                                                          "held-out reward after": rewards[-1]}))  # fmt: skip
+        (run.dir / "summary.json").write_text(
+            json.dumps({"held-out reward before": 0.3, "held-out reward after": rewards[-1]})
+        )
         (run.dir / "run.json").write_text(json.dumps(run.overrides))
         return 0, ""
 
@@ -105,10 +115,25 @@ def test_runs_resume_from_committed_records_on_another_machine(tmp_path, monkeyp
 
 
 def test_primary_endpoint_alone_decides_and_secondaries_cannot_veto(tmp_path) -> None:
-    comparisons = [{"name": "c", "kind": "better", "candidate": "a", "baseline": "b", "budgets": [200, 400],
-                    "primary": 400}]  # fmt: skip
-    exp = Experiment(name="t", recipe="demo", arms={"a": {}, "b": {}}, seeds=[0, 1, 2], smooth=1,
-                     thresholds=[0.9], comparisons=comparisons)  # fmt: skip
+    comparisons = [
+        {
+            "name": "c",
+            "kind": "better",
+            "candidate": "a",
+            "baseline": "b",
+            "budgets": [200, 400],
+            "primary": 400,
+        }
+    ]
+    exp = Experiment(
+        name="t",
+        recipe="demo",
+        arms={"a": {}, "b": {}},
+        seeds=[0, 1, 2],
+        smooth=1,
+        thresholds=[0.9],
+        comparisons=comparisons,
+    )
     per_seed = [(0.05, 0.30, -0.02), (0.06, 0.35, 0.03), (0.07, 0.40, -0.01)]  # @400 gains; @200 noise
     results = []
     for seed, (gain, base, noise) in enumerate(per_seed):
@@ -134,10 +159,22 @@ def test_a_verdict_before_every_planned_seed_has_run_says_it_is_interim() -> Non
     from studies.compare import comparisons_table
     from studies.outcomes import compare_arms
 
-    spec = {"name": "c", "kind": "better", "candidate": "a", "baseline": "b", "budgets": [400],
-            "primary": 400}  # fmt: skip
-    exp = Experiment(name="t", recipe="demo", arms={"a": {}, "b": {"seeds": [0, 1, 2, 3]}}, smooth=1,
-                     seeds=[0, 1, 2, 3, 4, 5], comparisons=[spec])  # fmt: skip
+    spec = {
+        "name": "c",
+        "kind": "better",
+        "candidate": "a",
+        "baseline": "b",
+        "budgets": [400],
+        "primary": 400,
+    }
+    exp = Experiment(
+        name="t",
+        recipe="demo",
+        arms={"a": {}, "b": {"seeds": [0, 1, 2, 3]}},
+        smooth=1,
+        seeds=[0, 1, 2, 3, 4, 5],
+        comparisons=[spec],
+    )
     per_arm: dict = {}
     for seed in range(3):  # 3 of the 4 seeds both arms run
         for arm, h in (("a", 0.5 + 0.01 * seed), ("b", 0.3)):
@@ -208,10 +245,14 @@ def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
         score = 0.5 if (arm, lr) in (("a", 1e-4), ("b", 2e-4)) else 0.2  # the pick: a 1e-4, b 2e-4
         from studies.runs import comparable
 
-        write_record(record_path(records, run.arm, run.seed), {
-            "overrides": comparable(run.overrides), "metrics": _rows([score] * 8),
-            "summary": {"held-out reward before": 0.3,
-                        "held-out reward after": 0.3 + gains[(arm, lr)]}})  # fmt: skip
+        write_record(
+            record_path(records, run.arm, run.seed),
+            {
+                "overrides": comparable(run.overrides),
+                "metrics": _rows([score] * 8),
+                "summary": {"held-out reward before": 0.3, "held-out reward after": 0.3 + gains[(arm, lr)]},
+            },
+        )
     problems = gate_problems(exp, results)
     assert problems == ["b: held-out gain +0.100 at its pick 0.0002 (needs ≥ 0.15)"]
     gains[("b", 2e-4)] = 0.16
@@ -224,8 +265,9 @@ def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
     assert gate_problems(exp, results) == []
     from studies.compare import pilot_page
 
-    page, picks = pilot_page(exp, pilot_plan(exp, tmp_path / "runs"), results, "cmd", log=lambda _: None,
-                             records=records)  # fmt: skip
+    page, picks = pilot_page(
+        exp, pilot_plan(exp, tmp_path / "runs"), results, "cmd", log=lambda _: None, records=records
+    )
     text = page.read_text()
     assert picks == {"a": 1e-4, "b": 2e-4} and "**Every arm passed.**" in text
     assert "| a | +0.080 | +0.000 |" in text and "| b | +0.200 | +0.160 |" in text  # every run's gain
@@ -237,28 +279,40 @@ def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
     curves, levels = pilot_curves(exp, pilot_plan(exp, tmp_path / "runs"), records, picks)
     assert levels == {"a": (1e-4, pytest.approx(0.35)), "b": (2e-4, pytest.approx(0.45))}  # step 0 + gain
     assert curves["b"][2e-4]["heldout"] == [(0.0, 0.3)] and len(curves["b"][2e-4]["train"]) == 8
-    old = {"arm": "b@0.0002", "seed": 100, "summary": {"held-out reward before": 0.3, "steps": 9,
-           "held-out reward after": 0.25, "generated tokens": 12000}}  # fmt: skip
+    old = {
+        "arm": "b@0.0002",
+        "seed": 100,
+        "summary": {
+            "held-out reward before": 0.3,
+            "steps": 9,
+            "held-out reward after": 0.25,
+            "generated tokens": 12000,
+        },
+    }
     write_record(records / "superseded" / "amendment-1" / "b@0.0002" / "seed100.json.gz", old)
-    text = pilot_page(exp, pilot_plan(exp, tmp_path / "runs"), results, "cmd", log=lambda _: None,
-                      records=records)[0].read_text()  # fmt: skip
+    text = pilot_page(
+        exp, pilot_plan(exp, tmp_path / "runs"), results, "cmd", log=lambda _: None, records=records
+    )[0].read_text()
     assert "- amendment-1: `b@0.0002` seed 100, held-out 0.300 → 0.250 (-0.050), 9 steps, 12k tokens" in text
     assert "**Every arm passed.**" in text  # the set-aside run is not read by the gate
     path.write_text(path.read_text().replace("b: {learning_rate: 2.0e-4}", "b: {learning_rate: 1.0e-4}"))
     assert gate_problems(load_experiment(str(path)), results) == [
-        "b: the YAML's learning_rate is 0.0001, the pilot picked 0.0002"]  # fmt: skip
+        "b: the YAML's learning_rate is 0.0001, the pilot picked 0.0002"
+    ]
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ("comparisons: [{name: c, candidate: a, baseline: a, budgets: [100], primary: 200}]",
-         "primary 200 is not one of its budgets"),
+        (
+            "comparisons: [{name: c, candidate: a, baseline: a, budgets: [100], primary: 200}]",
+            "primary 200 is not one of its budgets",
+        ),
         ("comparisons: [{name: c, candidate: a, baseline: a}]\npower: {seeds: 3}", "power calls for 3 seeds"),
         ("pilot: {seed: 9, learning_rates: [1.0], gate: {arms: {a: 1}}}", "gate needs heldout_gain"),
         ("pilot: {seed: 9, learning_rates: [1.0], variance_seeds: [0]}", "pilot seed 0 is also a reported"),
     ],
-)  # fmt: skip
+)
 def test_new_protocol_errors(tmp_path, extra, message) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(f"recipe: demo\nseeds: [0, 1]\narms: {{a: {{}}}}\n{extra}\n")
@@ -285,8 +339,9 @@ def test_a_page_is_rebuilt_from_committed_records_alone(tmp_path, monkeypatch) -
     chosen = [r for r in plan(exp, tmp_path / "a") if r.seed in (0, 1) and r.arm in ("otb-N4", "grpo-N4")]
     runs.execute("walk", "walk", chosen, jobs=1, log=lambda _: None, records=records, stamp={"hash": "abc"})
     monkeypatch.setattr(runs, "_train", lambda *a: pytest.fail("--no-run trained"))
-    page, failures = compare("walk", runs_dir=tmp_path / "elsewhere", results=tmp_path / "results",
-                             log=lambda _: None, train=False)  # fmt: skip
+    page, failures = compare(
+        "walk", runs_dir=tmp_path / "elsewhere", results=tmp_path / "results", log=lambda _: None, train=False
+    )
     text = page.read_text()
     assert failures == [] and "| otb-N4 | 2 |" in text and "| grpo-N4 | 2 |" in text
     assert "Runs: 4 under `abc`" in text and "not registered" in text  # records, but no registration
@@ -295,8 +350,13 @@ def test_a_page_is_rebuilt_from_committed_records_alone(tmp_path, monkeypatch) -
 def test_the_ladder_table_shows_censored_runs_beside_collapses() -> None:
     from studies.outcomes import ladder_table
 
-    arm = {"seed_list": [0, 1, 2], "collapses": [None, 14, None], "censored": [True, False, False],
-           "surges": 0, "clip_fraction": [0.0, 0.0, 0.0]}  # fmt: skip
+    arm = {
+        "seed_list": [0, 1, 2],
+        "collapses": [None, 14, None],
+        "censored": [True, False, False],
+        "surges": 0,
+        "clip_fraction": [0.0, 0.0, 0.0],
+    }
     assert "| otb-N4 | 1/3 (+1 censored) |" in ladder_table({"otb-N4@0.0002": arm})
 
 
@@ -304,8 +364,14 @@ def test_the_ladder_table_shows_the_held_out_reward_at_the_end_of_each_rung() ->
     from studies.outcomes import ladder_table
 
     def arm(held: list[float]) -> dict:
-        return {"seed_list": [0, 1], "collapses": [None, None], "censored": [False, False], "surges": 0,
-                "clip_fraction": [0.0, 0.0], "held_out": held}  # fmt: skip
+        return {
+            "seed_list": [0, 1],
+            "collapses": [None, None],
+            "censored": [False, False],
+            "surges": 0,
+            "clip_fraction": [0.0, 0.0],
+            "held_out": held,
+        }
 
     text = ladder_table({"otb-N4@0.0001": arm([0.5, 0.3]), "otb-N4@0.0002": arm([float("nan"), 0.1])})
     assert "held-out at the end @ lr 0.0001 | held-out at the end @ lr 0.0002 |" in text
@@ -317,10 +383,20 @@ def test_a_step_bounded_experiment_reports_the_held_out_reward_at_the_end() -> N
     from studies.experiment import load_experiment
 
     exp = load_experiment("ladder")
-    stats = {"seeds": 2, "heldout": {0: [0.3, 0.4]}, "held_out": [0.25, 0.35], "to_threshold": {},
-             "final": [0.2, 0.2], "total_tokens": [1.0, 1.0], "steps_run": [80, 80],
-             "train_seconds": [1, 1], "clip_fraction": [0.0, 0.0], "surges": 0, "collapses": [None, None],
-             "censored": [False, False]}  # fmt: skip
+    stats = {
+        "seeds": 2,
+        "heldout": {0: [0.3, 0.4]},
+        "held_out": [0.25, 0.35],
+        "to_threshold": {},
+        "final": [0.2, 0.2],
+        "total_tokens": [1.0, 1.0],
+        "steps_run": [80, 80],
+        "train_seconds": [1, 1],
+        "clip_fraction": [0.0, 0.0],
+        "surges": 0,
+        "collapses": [None, None],
+        "censored": [False, False],
+    }
     text = table(exp, {"arms": {"otb-N4@0.0001": stats}})
     assert "| held-out @0 (start) | held-out at the end |" in text
     assert "| otb-N4@0.0001 | 2 | 0.350 ± 0.071 | 0.300 ± 0.071 |" in text
@@ -346,8 +422,9 @@ def test_an_experiment_split_over_machines_merges_its_records(tmp_path, monkeypa
     both = ["otb-N4", "grpo-N4"]
     compare("walk", runs_dir=tmp_path / "a", results=results, log=quiet, seeds=[0], arms=both)
     monkeypatch.setattr(runs, "environment", lambda: {"device": "cpu", "cpus": 2, "torch": "9.8"})
-    page, _ = compare("walk", runs_dir=tmp_path / "b", results=results, log=quiet, seeds=[1],
-                      arms=["otb-N4", "grpo-N4"])  # fmt: skip
+    page, _ = compare(
+        "walk", runs_dir=tmp_path / "b", results=results, log=quiet, seeds=[1], arms=["otb-N4", "grpo-N4"]
+    )
     assert sorted(calls) == ["grpo-N4/0", "grpo-N4/1", "otb-N4/0", "otb-N4/1"]  # each share trained once
     rec = read_record(record_path(results / "runs" / "walk", "otb-N4", 0))
     assert rec["environment"]["device"] == "GPU-A"

@@ -251,8 +251,10 @@ def test_raw_variance_reading_survives_the_json_round_trip():
 
     per_n = {}
     for n, (gm, otb) in {4: (1.0, 0.25), 8: (0.5, 0.3), 16: (0.25, 0.2)}.items():
-        per_n[n] = {"stats": {"dr_grpo": {"rel_var": gm}, "otb": {"rel_var": otb}},
-                    "ratios": {"otb / dr_grpo": (otb / gm, 0.0, 0.0, 8)}}  # fmt: skip
+        per_n[n] = {
+            "stats": {"dr_grpo": {"rel_var": gm}, "otb": {"rel_var": otb}},
+            "ratios": {"otb / dr_grpo": (otb / gm, 0.0, 0.0, 8)},
+        }
     cfg = {"estimators": ["dr_grpo", "otb"], "prompts": 8, "exact_batches": 0, "k": 8, "task": "walk"}
     res = {"config": cfg, "per_n": per_n}
     lines = _verdict(res, "dr_grpo")

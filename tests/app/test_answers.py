@@ -75,8 +75,9 @@ def test_rewards_read_chat_completions_boxed_answers_and_gsm8k_solutions():
     kw = dict(prompts=[[{"role": "user", "content": "q"}]] * 3, answer=["3+9 is 12.\n#### 12", "7", "1"])
     assert get_reward("numeric")(completions=chat, **kw) == [1.0, 1.0, 0.0]
     assert get_reward("math")(completions=chat, **kw) == [1.0, 1.0, 0.0]
-    assert get_reward("exact")(completions=[[{"role": "assistant", "content": " 12"}]], prompts=["q"],
-                               answer=["#### 12"]) == [1.0]  # fmt: skip
+    assert get_reward("exact")(
+        completions=[[{"role": "assistant", "content": " 12"}]], prompts=["q"], answer=["#### 12"]
+    ) == [1.0]
     assert completion_text({"role": "assistant", "content": "x"}) == "x" and completion_text([]) == ""
     assert last_boxed("a \\boxed{\\frac{1}{2}} b \\boxed{3}") == "3" and last_boxed("\\boxed{1") is None
     assert last_boxed("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}" and last_boxed("none") is None
@@ -94,8 +95,11 @@ def test_guarded_reward_stops_on_a_signature_that_cannot_take_trls_keywords():
         return [1.0] * len(prompts)
 
     guarded = GuardedReward(reward)
-    with pytest.raises(RewardFailure, match=r"reward\(prompts, completions\) cannot take the keyword .*answer"
-                                            r".*unexpected keyword argument.*\*\*kwargs"):  # fmt: skip
+    with pytest.raises(
+        RewardFailure,
+        match=r"reward\(prompts, completions\) cannot take the keyword .*answer"
+        r".*unexpected keyword argument.*\*\*kwargs",
+    ):
         guarded(prompts=["a", "b"], completions=["1", "2"], answer=["1", "2"])
     assert calls == []  # not called once per sample just to fail each time
 
@@ -133,8 +137,11 @@ def test_guarded_reward_stops_the_run_when_a_whole_batch_or_too_many_samples_fai
     def always(prompts, completions, **kwargs):
         raise ValueError("math_verify exploded")
 
-    with pytest.raises(RewardFailure, match=r"always failed on every sample of a batch \(3\): ValueError: "
-                                            r"math_verify exploded; sample: prompt 'p'"):  # fmt: skip
+    with pytest.raises(
+        RewardFailure,
+        match=r"always failed on every sample of a batch \(3\): ValueError: "
+        r"math_verify exploded; sample: prompt 'p'",
+    ):
         GuardedReward(always)(prompts=["p"] * 3, completions=["1", "2", "3"])
 
     def nan_half(prompts, completions, **kwargs):
@@ -142,8 +149,11 @@ def test_guarded_reward_stops_the_run_when_a_whole_batch_or_too_many_samples_fai
 
     guarded = GuardedReward(nan_half, max_failure_fraction=0.3)
     assert guarded(prompts=["p"] * 4, completions=["x", "y", "y", "y"]) == [None, 1.0, 1.0, 1.0]
-    with pytest.raises(RewardFailure, match=r"failed on 3 of 8 samples \(more than max_failure_fraction 0.3\)"
-                                            r"; first failure: returned nan"):  # fmt: skip
+    with pytest.raises(
+        RewardFailure,
+        match=r"failed on 3 of 8 samples \(more than max_failure_fraction 0.3\)"
+        r"; first failure: returned nan",
+    ):
         guarded(prompts=["p"] * 4, completions=["x", "x", "y", "y"])
     with pytest.raises(ValueError, match="max_failure_fraction: must be in"):
         GuardedReward(nan_half, max_failure_fraction=0)

@@ -52,8 +52,9 @@ def test_held_out_at_each_budget_once_and_the_stop(tmp_path) -> None:
     stopped_at, model = _drive(path, budgets)
     assert stopped_at == 4  # 400 tokens after step 4
     rows = read_metrics(path)
-    evaluated = [(r["step"], r["heldout_reward"], r["heldout_budgets"])
-                 for r in rows if "heldout_budgets" in r]  # fmt: skip
+    evaluated = [
+        (r["step"], r["heldout_reward"], r["heldout_budgets"]) for r in rows if "heldout_budgets" in r
+    ]
     assert evaluated == [(2, 0.25, [150]), (3, 0.5, [300]), (4, 0.75, [301])]  # 301 first reached at 400
     assert model.training  # back to training mode after an evaluation
     assert [r["clipped"] for r in rows] == [False, False, True, True]  # grad norm 0.5 x step > 1.0

@@ -90,14 +90,16 @@ def test_recipe_file_values_arrive_typed(tmp_path, no_model):
         (["--learning_rate", "-1"], "otbrl: learning_rate: must be >= 0"),
         (["--save_strategy", "sometimes"], "otbrl: save_strategy: must be one of no, steps, epoch"),
         (["--per_device_train_batch_size", "6"], "otbrl: per_device_train_batch_size: per_device_train_b"),
-        (["--estimator_options", '{leave_one_out: "false"}'],
-         "otbrl: estimator_options: leave_one_out must be true or false (like False), got 'false'"),
+        (
+            ["--estimator_options", '{leave_one_out: "false"}'],
+            "otbrl: estimator_options: leave_one_out must be true or false (like False), got 'false'",
+        ),
         (["--estimator_options", "{eps: yes}"], "otbrl: estimator_options: eps must be a number"),
         (["--estimator_options", "{leave_one_ot: true}"], "otbrl: estimator_options: leave_one_ot: not an"),
         (["--reward", "fuzzy"], "otbrl: reward: unknown reward 'fuzzy'"),
         (["--chat", "true"], "otbrl: chat: warm:/random: models use a character tokenizer"),
     ],
-)  # fmt: skip
+)
 def test_bad_values_fail_in_one_line_before_any_model(capsys, no_model, tmp_path, argv, line):
     got = cli_error(capsys, ["train", "--config", "demo", "--output_dir", str(tmp_path / "o"), *argv])
     assert got.startswith(line), got
@@ -114,10 +116,26 @@ def test_yaml_syntax_error_is_one_line(capsys, no_model, tmp_path):
 def test_two_row_dataset_fails_before_the_model(capsys, no_model, tmp_path):
     data = tmp_path / "two.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(2)))
-    got = cli_error(capsys, [
-        "train", "--config", "demo", "--task", "null", "--dataset", str(data), "--reward", "numeric",
-        "--output_dir", str(tmp_path / "o"), "--per_device_train_batch_size", "8", "--num_generations", "4",
-    ])  # fmt: skip
+    got = cli_error(
+        capsys,
+        [
+            "train",
+            "--config",
+            "demo",
+            "--task",
+            "null",
+            "--dataset",
+            str(data),
+            "--reward",
+            "numeric",
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--per_device_train_batch_size",
+            "8",
+            "--num_generations",
+            "4",
+        ],
+    )
     assert got.startswith("otbrl: dataset: 1 training prompt(s) after the held-out split, but one step")
     assert "needs 2" in got
 
@@ -134,10 +152,14 @@ def test_gsm8k_recipe_is_the_papers_setting():
     assert recipe["use_vllm"] is True and recipe["vllm_mode"] == "colocate"
     assert recipe["advantage_estimator"] == "otb" and recipe["num_generations"] == 4
     # The GRPO N=32 command in the recipe's header: same prompts per optimizer step.
-    grpo = load_recipe("gsm8k-qwen2.5-0.5b", {"advantage_estimator": "grpo", "num_generations": 32,
-                                              "gradient_accumulation_steps": 32})  # fmt: skip
-    prompts = [r["per_device_train_batch_size"] * r["gradient_accumulation_steps"] // r["num_generations"]
-               for r in (recipe, grpo)]  # fmt: skip
+    grpo = load_recipe(
+        "gsm8k-qwen2.5-0.5b",
+        {"advantage_estimator": "grpo", "num_generations": 32, "gradient_accumulation_steps": 32},
+    )
+    prompts = [
+        r["per_device_train_batch_size"] * r["gradient_accumulation_steps"] // r["num_generations"]
+        for r in (recipe, grpo)
+    ]
     assert prompts == [16, 16]
     header = (recipes.RECIPES / "gsm8k-qwen2.5-0.5b.yaml").read_text()
     command = "--advantage_estimator grpo --num_generations 32 \\\n#       --gradient_accumulation_steps 32"

@@ -48,9 +48,15 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
     w.add_tensor("token_embd.weight", weight(vocab, hidden))
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     w.add_tensor("output.weight", weight(vocab, hidden))
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (hidden, hidden), "attn_v": (hidden, hidden),
-              "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
-              "ffn_down": (hidden, ffn)}  # fmt: skip
+    shapes = {
+        "attn_q": (hidden, hidden),
+        "attn_k": (hidden, hidden),
+        "attn_v": (hidden, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (ffn, hidden),
+        "ffn_up": (ffn, hidden),
+        "ffn_down": (hidden, ffn),
+    }
     for i in range(layers):
         for name, shape in shapes.items():
             w.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))

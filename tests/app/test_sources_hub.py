@@ -51,9 +51,11 @@ def write_hub_cache(home: Path) -> None:
         writer.finalize()
     split = datasets.SplitInfo("train", num_examples=len(rows), dataset_name="tiny-math")
     datasets.DatasetInfo(
-        dataset_name="tiny-math", config_name="default", features=data.features,
+        dataset_name="tiny-math",
+        config_name="default",
+        features=data.features,
         splits=datasets.SplitDict({"train": split}),
-    ).write_to_directory(str(prepared))  # fmt: skip
+    ).write_to_directory(str(prepared))
 
 
 RECIPE = {
@@ -82,14 +84,24 @@ def otbrl_train(tmp_path: Path, home: Path, recipe: dict, extra: str = "") -> su
     from a directory of its own, with the recipe as a YAML file."""
     path = tmp_path / "recipe.yaml"
     path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in recipe.items()) + extra)
-    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
-           "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HOME": str(home),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+    }
     env.pop("HF_DATASETS_CACHE", None)
     env.pop("HF_HUB_CACHE", None)
     return subprocess.run(
         [sys.executable, "-m", "otbrl.app.cli", "train", "--config", str(path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +128,11 @@ def test_hub_model_and_dataset_train_offline_with_chat_prompts(tmp_path, hub_hom
 
 @pytest.mark.parametrize(
     ("key", "missing", "what"),
-    [("model", "tiny-org/absent-model", "model: could not fetch the tokenizer of tiny-org/absent-model"),
-     ("dataset", "tiny-org/absent-data", "dataset: could not load tiny-org/absent-data")],
-)  # fmt: skip
+    [
+        ("model", "tiny-org/absent-model", "model: could not fetch the tokenizer of tiny-org/absent-model"),
+        ("dataset", "tiny-org/absent-data", "dataset: could not load tiny-org/absent-data"),
+    ],
+)
 def test_offline_names_missing_from_the_cache_fail_in_one_line(tmp_path, hub_home, key, missing, what):
     got = otbrl_train(tmp_path, hub_home, {**RECIPE, key: missing})
     assert got.returncode == 2, got.stderr[-3000:]
@@ -141,8 +155,12 @@ def test_chat_prompts_carry_the_system_prompt_and_render_for_evaluation():
     config = make_config(recipe)
     train_rows, eval_rows, chat = shape_prompts(recipe, tokenizer, rows, rows, config)
     assert chat is True  # chat: None and the tokenizer has a template
-    assert train_rows == [{"prompt": [{"role": "system", "content": "be brief"},
-                                      {"role": "user", "content": "1+1="}], "answer": "2"}]  # fmt: skip
+    assert train_rows == [
+        {
+            "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1="}],
+            "answer": "2",
+        }
+    ]
     assert eval_rows == [{"prompt": "system: be brief;user: 1+1=;assistant: ", "answer": "2"}]
     plain, plain_eval, chat = shape_prompts({**recipe, "chat": False}, tokenizer, rows, rows, config)
     assert chat is False and plain == plain_eval == [{"prompt": "be brief\n\n1+1=", "answer": "2"}]

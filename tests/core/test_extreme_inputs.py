@@ -216,9 +216,13 @@ def test_transposed_mask_with_leave_one_out():
     """A column-major mask (numpy .T, Fortran order) in the usual block-per-group layout."""
     mask = torch.ones(3, 4).T
     res = otbrl.compute_advantages(
-        "otb", rewards=[1.0, 0.0, 1.0, 0.0], mask=mask, group_ids=[0, 0, 1, 1], energy=torch.ones(4, 3),
+        "otb",
+        rewards=[1.0, 0.0, 1.0, 0.0],
+        mask=mask,
+        group_ids=[0, 0, 1, 1],
+        energy=torch.ones(4, 3),
         leave_one_out=True,
-    )  # fmt: skip
+    )
     expected = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None].expand(4, 3)  # baseline: the other's return
     torch.testing.assert_close(res.advantages, expected)
 

@@ -110,9 +110,15 @@ def test_completion_energy_of_a_bf16_model_on_the_gpu():
     from otbrl.lm import check_head, completion_energy
 
     config = transformers.LlamaConfig(
-        vocab_size=3000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=3000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(CUDA, bf16)
     ids = torch.randint(0, 3000, (4, 40), device=CUDA)

@@ -139,10 +139,22 @@ def test_missing_lengths_count_as_steps():
 
 @pytest.mark.parametrize(
     "name, value",
-    [("factor", 1.0), ("factor", 0.0), ("threshold", 0.9), ("zscore", -1.0), ("smoothing", 0.0),
-     ("smoothing", 1.5), ("window", 0), ("warmup", 0), ("warmup", 51), ("patience", 0), ("cooldown", -1),
-     ("min_factor", 0.0), ("min_factor", 1.5)],
-)  # fmt: skip
+    [
+        ("factor", 1.0),
+        ("factor", 0.0),
+        ("threshold", 0.9),
+        ("zscore", -1.0),
+        ("smoothing", 0.0),
+        ("smoothing", 1.5),
+        ("window", 0),
+        ("warmup", 0),
+        ("warmup", 51),
+        ("patience", 0),
+        ("cooldown", -1),
+        ("min_factor", 0.0),
+        ("min_factor", 1.5),
+    ],
+)
 def test_bad_arguments(name, value):
     with pytest.raises(ValueError, match=f"^{name}: must be"):
         LengthSurgeDecay(**{name: value})
@@ -249,7 +261,7 @@ def test_update_in_a_plain_loop_and_other_schedulers():
         "lambda": (lambda o: torch.optim.lr_scheduler.LambdaLR(o, _linear(40)), lambda k: 1 - k / 40),
         "step": (lambda o: torch.optim.lr_scheduler.StepLR(o, 4, gamma=0.9), lambda k: 0.9 ** (k // 4)),
         "none": (lambda o: None, lambda k: 1.0),
-    }  # fmt: skip
+    }
     for name, (build, schedule) in schedules.items():
         for wrap in (False, True):
 
@@ -335,9 +347,15 @@ def trl_runs(tmp_path_factory):
 
     def config(name: str):  # noqa: ANN202
         return make_config(
-            tmp / name, max_steps=6, learning_rate=LR0, lr_scheduler_type="linear", save_strategy="steps",
-            save_steps=4, length_decay=True, **options,
-        )  # fmt: skip
+            tmp / name,
+            max_steps=6,
+            learning_rate=LR0,
+            lr_scheduler_type="linear",
+            save_strategy="steps",
+            save_steps=4,
+            length_decay=True,
+            **options,
+        )
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -350,11 +368,24 @@ def trl_runs(tmp_path_factory):
             trainer.train(resume_from_checkpoint=str(resume) if resume else None)
             runs[name] = (trainer, r.used)
         plain_args = GRPOConfig(
-            output_dir=str(tmp / "plain"), use_cpu=True, bf16=False, gradient_checkpointing=False,
-            report_to=[], save_strategy="no", logging_steps=1, max_steps=4, learning_rate=LR0,
-            lr_scheduler_type="linear", per_device_train_batch_size=8, num_generations=GROUP,
-            max_completion_length=8, beta=0.0, seed=0, disable_tqdm=True, dataloader_num_workers=0,
-        )  # fmt: skip
+            output_dir=str(tmp / "plain"),
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1,
+            max_steps=4,
+            learning_rate=LR0,
+            lr_scheduler_type="linear",
+            per_device_train_batch_size=8,
+            num_generations=GROUP,
+            max_completion_length=8,
+            beta=0.0,
+            seed=0,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
         r = UsedLR(4)
         trainer = make_trainer(
             plain_args, cls=_scripted(GRPOTrainer), callbacks=[r, LengthDecayCallback(**DECAY)]

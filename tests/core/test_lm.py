@@ -240,10 +240,11 @@ def test_zero3_head_is_gathered_for_the_read(monkeypatch):
     partition = types.ModuleType("deepspeed.runtime.zero.partition_parameters")
     partition.ZeroParamStatus = ZeroParamStatus
     for name, module in {
-        "deepspeed": deepspeed, "deepspeed.runtime": types.ModuleType("deepspeed.runtime"),
+        "deepspeed": deepspeed,
+        "deepspeed.runtime": types.ModuleType("deepspeed.runtime"),
         "deepspeed.runtime.zero": types.ModuleType("deepspeed.runtime.zero"),
         "deepspeed.runtime.zero.partition_parameters": partition,
-    }.items():  # fmt: skip
+    }.items():
         monkeypatch.setitem(sys.modules, name, module)
 
     g = torch.Generator().manual_seed(0)
@@ -378,11 +379,21 @@ def test_half_precision_tolerance_still_refuses_a_small_change():
 def _recurrent_gemma(cap: float = 5.0) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.RecurrentGemmaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, lru_width=32, attention_window_size=16, conv1d_width=4,
-        block_types=["recurrent", "attention"], logits_soft_cap=cap, pad_token_id=0, bos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        lru_width=32,
+        attention_window_size=16,
+        conv1d_width=4,
+        block_types=["recurrent", "attention"],
+        logits_soft_cap=cap,
+        pad_token_id=0,
+        bos_token_id=1,
         eos_token_id=2,
-    )  # fmt: skip
+    )
     model = transformers.RecurrentGemmaForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(SHARPEN)

@@ -112,11 +112,21 @@ def test_on_policy_loss_and_gradient_match_reference(aggregation, seed):
 def test_off_policy_clipped_loss_matches_reference(aggregation, clip, seed):
     x = random_inputs(seed, rows=6, width=9)
     loss = policy_gradient_loss(
-        x["logprobs"], x["advantages"], x["mask"], old_logprobs=x["old_logprobs"],
-        clip_eps=clip, aggregation=aggregation,
-    )  # fmt: skip
-    ref = loss_ref(x["logprobs"], x["advantages"], x["mask"], old_logprobs=x["old_logprobs"], clip=clip,
-                   aggregation=aggregation)  # fmt: skip
+        x["logprobs"],
+        x["advantages"],
+        x["mask"],
+        old_logprobs=x["old_logprobs"],
+        clip_eps=clip,
+        aggregation=aggregation,
+    )
+    ref = loss_ref(
+        x["logprobs"],
+        x["advantages"],
+        x["mask"],
+        old_logprobs=x["old_logprobs"],
+        clip=clip,
+        aggregation=aggregation,
+    )
     assert loss.item() == pytest.approx(ref, rel=1e-12, abs=1e-12)
 
 
@@ -127,9 +137,7 @@ def test_clipping_zeroes_the_gradient_exactly_where_the_clipped_branch_wins():
     r = torch.tensor([[1.5, 1.5, 0.5, 0.5]], dtype=torch.float64)
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
     logprobs = with_grad(r.log())
-    out = policy_gradient_loss_with_stats(
-        logprobs, adv, torch.ones(1, 4), old_logprobs=old, clip_eps=0.2
-    )  # fmt: skip
+    out = policy_gradient_loss_with_stats(logprobs, adv, torch.ones(1, 4), old_logprobs=old, clip_eps=0.2)
     (grad,) = torch.autograd.grad(out.loss, logprobs)
     torch.testing.assert_close(grad, torch.tensor([[0.0, 1.5 / 4, -0.5 / 4, 0.0]], dtype=torch.float64))
     assert out.clip_fraction.item() == pytest.approx(0.5)
@@ -159,7 +167,7 @@ def test_approx_kl_is_k3_over_policy_tokens():
     x = random_inputs(3)
     out = policy_gradient_loss_with_stats(
         x["logprobs"], x["advantages"], x["mask"], old_logprobs=x["old_logprobs"]
-    )  # fmt: skip
+    )
     terms = [
         math.exp(d) - 1 - d
         for d in (
@@ -226,7 +234,7 @@ def test_low_precision_inputs_are_computed_in_float32(dtype, aggregation):
     assert grad.dtype == dtype
     torch.testing.assert_close(
         grad.double(), grad_ref(adv16.double(), mask, aggregation), rtol=1e-2, atol=1e-4
-    )  # fmt: skip
+    )
 
 
 def test_float32_inputs_give_float32_and_any_float64_widens():
@@ -259,9 +267,12 @@ def test_loss_feeds_on_compute_advantages_output():
     tokens = torch.randint(0, 11, (4, 5), generator=g)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])
     res = otbrl.compute_advantages(
-        "otb", rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]), mask=mask, group_ids=[0, 0, 1, 1],
+        "otb",
+        rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        mask=mask,
+        group_ids=[0, 0, 1, 1],
         energy=otbrl.token_energy(logits, tokens),
-    )  # fmt: skip
+    )
     lp = with_grad(torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1))
     loss = otbrl.policy_gradient_loss(lp, res.advantages, mask)
     (grad,) = torch.autograd.grad(loss, lp)

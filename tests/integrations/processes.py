@@ -30,9 +30,14 @@ def run_on_two_processes(*worker_args: str) -> None:
     # its own session, so that a timeout ends torchrun and both workers (the worker exits on its own,
     # with every thread's stack, after 90 s)
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         stdout, stderr = proc.communicate(timeout=150)
     except subprocess.TimeoutExpired:

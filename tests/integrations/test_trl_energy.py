@@ -59,11 +59,16 @@ class EnergyProbe(OTBGRPOTrainer):
         forward = self.token_energy(
             out["prompt_ids"], out["prompt_mask"], out["completion_ids"], out["completion_mask"]
         )
-        self.records.append({
-            "out": out, "source": self.energy_source, "energy": self.last_energy.clone(),
-            "reference": full_context_energy(model, out, self.temperature), "forward": forward * policy,
-            "inputs": inputs,
-        })  # fmt: skip
+        self.records.append(
+            {
+                "out": out,
+                "source": self.energy_source,
+                "energy": self.last_energy.clone(),
+                "reference": full_context_energy(model, out, self.temperature),
+                "forward": forward * policy,
+                "inputs": inputs,
+            }
+        )
         return out
 
 
@@ -82,9 +87,13 @@ def test_family_energy_is_the_sampled_distributions(tmp_path, family):
     (its fused head at the sampling temperature, with the family's scale and soft-capping). The trainer's
     fallback forward, run on the same batch, agrees too."""
     args = make_config(
-        tmp_path, max_steps=1, num_iterations=2, temperature=TEMPERATURE, per_device_train_batch_size=8,
+        tmp_path,
+        max_steps=1,
+        num_iterations=2,
+        temperature=TEMPERATURE,
+        per_device_train_batch_size=8,
         max_completion_length=6,
-    )  # fmt: skip
+    )
     trainer = make_trainer(args, model=family_model(family), cls=EnergyProbe, n_prompts=8)
     trainer.train()
     (record,) = trainer.records
@@ -157,13 +166,22 @@ def tool_run(tmp_path_factory):
     torch.set_num_threads(1)
     try:
         args = make_config(
-            tmp_path_factory.mktemp("tir"), max_steps=1, per_device_train_batch_size=16, num_generations=8,
-            max_completion_length=48, temperature=1.0, learning_rate=1e-6,
-        )  # fmt: skip
+            tmp_path_factory.mktemp("tir"),
+            max_steps=1,
+            per_device_train_batch_size=16,
+            num_generations=8,
+            max_completion_length=48,
+            temperature=1.0,
+            learning_rate=1e-6,
+        )
         trainer = EnergyProbe(
-            model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(dataset(task, 2)),
-            processing_class=tokenizer, rollout_func=rollout_func(("calc",), max_turns=3, workers=2),
-        )  # fmt: skip
+            model=model,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=Dataset.from_list(dataset(task, 2)),
+            processing_class=tokenizer,
+            rollout_func=rollout_func(("calc",), max_turns=3, workers=2),
+        )
         trainer.train()
     finally:
         torch.set_num_threads(threads)
@@ -298,9 +316,13 @@ def test_peft_lora_energy_is_the_adapted_models(tmp_path, num_iterations):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     args = make_config(
-        tmp_path, max_steps=1, num_iterations=num_iterations, beta=0.04, temperature=TEMPERATURE,
+        tmp_path,
+        max_steps=1,
+        num_iterations=num_iterations,
+        beta=0.04,
+        temperature=TEMPERATURE,
         max_completion_length=6,
-    )  # fmt: skip
+    )
     trainer = make_trainer(
         args, model=family_model("qwen2"), cls=EnergyProbe, n_prompts=8, peft_config=config
     )
@@ -340,9 +362,13 @@ def test_bf16_autocast_over_float32_weights_trains(tmp_path, num_iterations):
     if not half_supported(torch.bfloat16):
         pytest.skip("this CPU has no bf16 autocast")
     args = make_config(
-        tmp_path, max_steps=1, bf16=True, num_iterations=num_iterations, temperature=TEMPERATURE,
+        tmp_path,
+        max_steps=1,
+        bf16=True,
+        num_iterations=num_iterations,
+        temperature=TEMPERATURE,
         max_completion_length=6,
-    )  # fmt: skip
+    )
     trainer = make_trainer(args, model=family_model("llama", sharpen=3.0), cls=EnergyProbe, n_prompts=8)
     trainer.train()
     (record,) = trainer.records
@@ -365,7 +391,7 @@ def test_single_turn_sampler_rollout_gives_the_sampled_energy(tmp_path):
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     args = make_config(
         tmp_path, max_steps=1, temperature=TEMPERATURE, per_device_train_batch_size=8, max_completion_length=6
-    )  # fmt: skip
+    )
     trainer = make_trainer(args, cls=EnergyProbe, n_prompts=8, rollout_func=sampler_rollout_func())
     trainer.train()
     (record,) = trainer.records
@@ -396,10 +422,13 @@ def test_sampler_rollout_applies_the_chat_template_and_the_trainers_autocast():
 
     model = eos_biased_model().train()
     trainer = SimpleNamespace(
-        processing_class=tokenizer, model=model, max_completion_length=5, temperature=1.0,
+        processing_class=tokenizer,
+        model=model,
+        max_completion_length=5,
+        temperature=1.0,
         args=SimpleNamespace(chat_template_kwargs=None),
         accelerator=SimpleNamespace(unwrap_model=lambda m: m, autocast=autocast),
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     out = sampler_rollout_func()([[{"role": "user", "content": "12+3"}], "45+6="], trainer)
     assert entered, "sampling ran outside the trainer's autocast"

@@ -49,9 +49,11 @@ class Probe(OTBGRPOTrainer):
     def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
         out = super()._generate_and_score_completions(inputs)
         self.records[-1].update(
-            out=out, advantages=out["advantages"].clone(), energy=self.last_energy.clone(),
+            out=out,
+            advantages=out["advantages"].clone(),
+            energy=self.last_energy.clone(),
             per_func=self._rewards_per_func_seen,
-        )  # fmt: skip
+        )
         return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # noqa: ANN001, ANN202
@@ -79,10 +81,15 @@ def _truncating_run(tmp_path, estimator: str, **overrides) -> Probe:  # noqa: AN
     """One step, max length 5: the eos-biased tiny model finishes some completions and runs out on others."""
     options = {"eps": 1e-4} if estimator == "grpo" else {}  # TRL's grpo divides by std + 1e-4
     args = make_config(
-        tmp_path, max_steps=1, max_completion_length=5, mask_truncated_completions=True,
-        advantage_estimator=estimator, estimator_options=options, per_device_train_batch_size=16,
+        tmp_path,
+        max_steps=1,
+        max_completion_length=5,
+        mask_truncated_completions=True,
+        advantage_estimator=estimator,
+        estimator_options=options,
+        per_device_train_batch_size=16,
         **overrides,
-    )  # fmt: skip
+    )
     trainer = make_trainer(args, cls=Probe, n_prompts=16)
     trainer.train()
     return trainer
@@ -204,12 +211,14 @@ def test_a_failure_in_one_function_unscores_the_row_whatever_the_others_say(tmp_
 
 def _mixed_signs() -> tuple[torch.Tensor, torch.Tensor]:
     """(4, 5) advantages whose sign changes along rows 0 and 2, with padding; row 3 has no token."""
-    adv = torch.tensor([
-        [0.5, -0.2, -0.1, 0.0, 0.0],  # mean +0.067
-        [-0.3, -0.3, -0.3, -0.3, -0.3],  # constant: a sequence-level estimator's row
-        [-0.9, 0.1, 0.2, 0.0, 0.0],  # mean -0.2
-        [0.0, 0.0, 0.0, 0.0, 0.0],
-    ])  # fmt: skip
+    adv = torch.tensor(
+        [
+            [0.5, -0.2, -0.1, 0.0, 0.0],  # mean +0.067
+            [-0.3, -0.3, -0.3, -0.3, -0.3],  # constant: a sequence-level estimator's row
+            [-0.9, 0.1, 0.2, 0.0, 0.0],  # mean -0.2
+            [0.0, 0.0, 0.0, 0.0, 0.0],
+        ]
+    )
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
     return adv, mask
 

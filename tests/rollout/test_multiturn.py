@@ -231,8 +231,13 @@ def test_trl_tool_tokens_get_no_energy_and_no_advantage(tmp_path) -> None:
     def scripted_rollout(prompts: list, trainer) -> dict:  # noqa: ANN001
         ids = TOK(prompts, add_special_tokens=False)["input_ids"]
         out = sample_with_tools(ScriptedLM(mixed_script, high=30.0), TOK, ids, {"calc": calc}, 64, 3, 1.0)
-        return {"prompt_ids": out.prompt_ids, "completion_ids": out.completion_ids, "logprobs": out.logprobs,
-                "env_mask": out.model_mask, "tool_calls": out.calls}  # fmt: skip
+        return {
+            "prompt_ids": out.prompt_ids,
+            "completion_ids": out.completion_ids,
+            "logprobs": out.logprobs,
+            "env_mask": out.model_mask,
+            "tool_calls": out.calls,
+        }
 
     task = get_task("tir_product3")
 
@@ -242,15 +247,30 @@ def test_trl_tool_tokens_get_no_energy_and_no_advantage(tmp_path) -> None:
     rows = dataset(task, 2, seed=0)
     torch.set_num_threads(1)
     args = OTBGRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to=[],
-        save_strategy="no", logging_steps=1, max_steps=1, per_device_train_batch_size=16, num_generations=8,
-        max_completion_length=64, temperature=1.0, advantage_estimator="otb", seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=1,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=64,
+        temperature=1.0,
+        advantage_estimator="otb",
+        seed=0,
+    )
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     trainer = Probe(
-        model=tiny_model("tiny", vocab_size=len(TOK), seed=0), reward_funcs=reward, args=args,
-        train_dataset=Dataset.from_list(rows), processing_class=TOK, rollout_func=scripted_rollout,
-    )  # fmt: skip
+        model=tiny_model("tiny", vocab_size=len(TOK), seed=0),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=TOK,
+        rollout_func=scripted_rollout,
+    )
     trainer.train()
     out, rewards, energy, adv = Probe.seen[0]
     tool_mask, completion_mask = out["tool_mask"], out["completion_mask"]

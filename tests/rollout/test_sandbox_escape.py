@@ -39,11 +39,33 @@ REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
 # System-call numbers from the kernel's headers (asm/unistd_64.h; asm-generic/unistd.h for aarch64).
 NR = {
-    "x86_64": {"add_key": 248, "keyctl": 250, "unshare": 272, "clone": 56, "setns": 308, "bpf": 321,
-               "userfaultfd": 323, "perf_event_open": 298, "ptrace": 101, "shmget": 29, "clone3": 435},
-    "aarch64": {"add_key": 217, "keyctl": 219, "unshare": 97, "clone": 220, "setns": 268, "bpf": 280,
-                "userfaultfd": 282, "perf_event_open": 241, "ptrace": 117, "shmget": 194, "clone3": 435},
-}.get(platform.machine())  # fmt: skip
+    "x86_64": {
+        "add_key": 248,
+        "keyctl": 250,
+        "unshare": 272,
+        "clone": 56,
+        "setns": 308,
+        "bpf": 321,
+        "userfaultfd": 323,
+        "perf_event_open": 298,
+        "ptrace": 101,
+        "shmget": 29,
+        "clone3": 435,
+    },
+    "aarch64": {
+        "add_key": 217,
+        "keyctl": 219,
+        "unshare": 97,
+        "clone": 220,
+        "setns": 268,
+        "bpf": 280,
+        "userfaultfd": 282,
+        "perf_event_open": 241,
+        "ptrace": 117,
+        "shmget": 194,
+        "clone3": 435,
+    },
+}.get(platform.machine())
 needs_nr = pytest.mark.skipif(NR is None, reason=f"syscall numbers not listed for {platform.machine()}")
 
 RUNNER = r"""
@@ -630,8 +652,20 @@ def test_the_seccomp_program_decides_as_documented(machine):
         return _bpf_run(p, nr, arch, args)
 
     assert run(read) == ALLOW
-    for name in ("keyctl", "add_key", "request_key", "unshare", "setns", "bpf", "userfaultfd",
-                 "perf_event_open", "ptrace", "mount", "io_uring_setup", "process_vm_readv"):  # fmt: skip
+    for name in (
+        "keyctl",
+        "add_key",
+        "request_key",
+        "unshare",
+        "setns",
+        "bpf",
+        "userfaultfd",
+        "perf_event_open",
+        "ptrace",
+        "mount",
+        "io_uring_setup",
+        "process_vm_readv",
+    ):
         assert run(name) == EPERM, name
     assert run("clone3") == ENOSYS
     assert run("clone", (17,)) == ALLOW  # fork

@@ -28,8 +28,10 @@ class SurgeCallback(TrainerCallback, ExportableState):
 
     def state(self) -> dict:
         d = self.detector
-        return {"args": {"factor": d.factor, "window": d.window, "warmup": d.warmup},
-                "attributes": {"detector_state": d.state_dict()}}  # fmt: skip
+        return {
+            "args": {"factor": d.factor, "window": d.window, "warmup": d.warmup},
+            "attributes": {"detector_state": d.state_dict()},
+        }
 
 
 class LengthDecayCallback(TrainerCallback, ExportableState):
@@ -80,7 +82,12 @@ class LengthDecayCallback(TrainerCallback, ExportableState):
     def on_log(self, args, state, control, logs=None, optimizer=None, lr_scheduler=None, **kwargs):  # noqa: ANN001, ANN201
         ready = logs is not None and "completions/mean_length" in logs and optimizer is not None
         if ready and not self.driven:
-            logs.update(self.observe(
-                state.global_step, logs["completions/mean_length"], bool(logs.get("otb/grad_norm_surge")),
-                optimizer, lr_scheduler,
-            ))  # fmt: skip
+            logs.update(
+                self.observe(
+                    state.global_step,
+                    logs["completions/mean_length"],
+                    bool(logs.get("otb/grad_norm_surge")),
+                    optimizer,
+                    lr_scheduler,
+                )
+            )

@@ -133,8 +133,11 @@ class GuardedReward:
             self.first_failure = f"{why} (sample: {sample})"
             logger.warning(
                 "otbrl: reward function %s failed: %s; sample: %s (such samples are left unscored; "
-                "later failures are counted in otb/reward_failures)", self.name, why, sample,
-            )  # fmt: skip
+                "later failures are counted in otb/reward_failures)",
+                self.name,
+                why,
+                sample,
+            )
         if len(failed) == n:
             raise RewardFailure(
                 f"reward function {self.name} failed on every sample of a batch ({n}): {why}; "

@@ -34,9 +34,15 @@ def rollout_func(
         try:
             ids = tokenizer(text=prompts, add_special_tokens=False)["input_ids"]
             out = sample_with_tools(
-                model, tokenizer, ids, toolbox, trainer.max_completion_length, max_turns,
-                trainer.temperature, workers=workers,
-            )  # fmt: skip
+                model,
+                tokenizer,
+                ids,
+                toolbox,
+                trainer.max_completion_length,
+                max_turns,
+                trainer.temperature,
+                workers=workers,
+            )
         finally:
             model.train(was_training)
         return {
@@ -61,10 +67,11 @@ def sampler_rollout_func() -> Callable[[list, Any], dict[str, Any]]:
         model = trainer.accelerator.unwrap_model(trainer.model)
         kwargs = dict(getattr(trainer.args, "chat_template_kwargs", None) or {})
         ids = [
-            tokenizer(text=p, add_special_tokens=False)["input_ids"] if isinstance(p, str)
+            tokenizer(text=p, add_special_tokens=False)["input_ids"]
+            if isinstance(p, str)
             else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, **kwargs)
             for p in prompts
-        ]  # fmt: skip
+        ]
         ids = [list(i["input_ids"]) if isinstance(i, Mapping) else list(i) for i in ids]
         width = max(map(len, ids))
         pad = tokenizer.pad_token_id
@@ -75,9 +82,14 @@ def sampler_rollout_func() -> Callable[[list, Any], dict[str, Any]]:
         try:
             with trainer.accelerator.autocast():  # the precision the training forward runs in (bf16, ...)
                 out = decode(
-                    model, padded, attention, trainer.max_completion_length, trainer.temperature,
-                    tokenizer.eos_token_id, pad,
-                )  # fmt: skip
+                    model,
+                    padded,
+                    attention,
+                    trainer.max_completion_length,
+                    trainer.temperature,
+                    tokenizer.eos_token_id,
+                    pad,
+                )
         finally:
             model.train(was_training)
         lengths = out.completion_mask.sum(1).tolist()

@@ -27,9 +27,11 @@ class LogSumSqTap:
     def __init__(self, model: Any, temperature: float, cast_lm_head_to_fp32: bool) -> None:
         self._trl_forward = model.forward
         add_fused_lm_head(
-            model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+            model,
+            temperature=temperature,
+            cast_lm_head_to_fp32=cast_lm_head_to_fp32,
             outputs=("log_probs", "entropy", "log_sum_sq_probs"),
-        )  # fmt: skip
+        )
         self._with_sq = model.forward
         self._sink: list[torch.Tensor] | None = None
         # functools.wraps keeps TRL's signature: `generate` validates its keyword arguments against it

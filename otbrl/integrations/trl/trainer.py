@@ -124,9 +124,13 @@ class OTBGRPOTrainer(GRPOTrainer):
         local.energy = self._batch_energy(out, local) if self._spec.needs_energy else None
         batch = self._global_batch(out, local)
         res = otbrl.compute_advantages(
-            self.args.advantage_estimator, rewards=batch.rewards, mask=batch.mask, group_ids=batch.group_ids,
-            energy=batch.energy if self._spec.needs_energy else None, **batch.options,
-        )  # fmt: skip
+            self.args.advantage_estimator,
+            rewards=batch.rewards,
+            mask=batch.mask,
+            group_ids=batch.group_ids,
+            energy=batch.energy if self._spec.needs_energy else None,
+            **batch.options,
+        )
         out["advantages"] = self._local_advantages(res.advantages, local)  # TRL's loss keeps (B, T) as is
         self._log_step(inputs, local, batch, res.advantages)
         return out
@@ -225,10 +229,15 @@ class OTBGRPOTrainer(GRPOTrainer):
         transform = self._verified_head()
         with self.accelerator.autocast():
             return completion_energy(
-                model, ids, attention, completion_ids.shape[1], self.temperature,
-                rows=self.args.per_device_train_batch_size, from_logits=self.args.energy_from_logits,
+                model,
+                ids,
+                attention,
+                completion_ids.shape[1],
+                self.temperature,
+                rows=self.args.per_device_train_batch_size,
+                from_logits=self.args.energy_from_logits,
                 transform=transform,
-            )  # fmt: skip
+            )
 
     def _global_batch(self, out: dict[str, Any], local: LocalBatch) -> GlobalBatch:
         """Gather every rank's masks and energy; weigh the gathered rewards; take rows that no function
@@ -241,11 +250,12 @@ class OTBGRPOTrainer(GRPOTrainer):
         mask = self._gather_rows(local.members.int()).bool() & ~unscored[:, None]
         energy = local.energy if local.energy is not None else torch.zeros(local.members.shape)
         return GlobalBatch(
-            mask=mask, energy=self._gather_rows(energy.float().to(mask.device)),
+            mask=mask,
+            energy=self._gather_rows(energy.float().to(mask.device)),
             rewards=rewards.masked_fill(unscored, 0.0),
             group_ids=torch.arange(rewards.numel(), device=rewards.device) // group_size,
             options=self._estimator_options(out, local),
-        )  # fmt: skip
+        )
 
     def _estimator_options(self, out: dict[str, Any], local: LocalBatch) -> dict[str, Any]:
         """The configured options plus this batch's: generated-token alignment when tool output shifts
@@ -385,10 +395,15 @@ class OTBGRPOTrainer(GRPOTrainer):
         if self.args.length_decay and self.model.training and "loss" in logs:
             metric = self._metrics["train"].get("completions/mean_length", [])
             lengths = [x for x in metric if not math.isnan(x)]
-            logs.update(self._callback(LengthDecayCallback).observe(
-                self.state.global_step, sum(lengths) / len(lengths) if lengths else None,
-                bool(logs.get("otb/grad_norm_surge")), self.optimizer, self.lr_scheduler,
-            ))  # fmt: skip
+            logs.update(
+                self._callback(LengthDecayCallback).observe(
+                    self.state.global_step,
+                    sum(lengths) / len(lengths) if lengths else None,
+                    bool(logs.get("otb/grad_norm_surge")),
+                    self.optimizer,
+                    self.lr_scheduler,
+                )
+            )
         super().log(logs, start_time)
 
     def _callback(self, kind: type) -> Any:
