@@ -132,8 +132,8 @@ def main() -> None:
             f"Regenerate: `python -m studies.decay_timing` (from the committed run records in "
             f"`docs/results/runs/{exp.name}/`, after `python -m studies compare {exp.name}`). Replayed on "
             f"the {n} base runs of `{exp.name}` (arms {', '.join(sorted(base_runs))}); detector settings of "
-            f"the decay arms: {', '.join(f'{k} {v}' for k, v in sorted(own.items()))}, with the overrides named "
-            "in each row.",
+            f"the decay arms: {', '.join(f'{k} {v}' for k, v in sorted(own.items()))}, with the overrides "
+            "named in each row.",
             "",
             markdown_table(
                 [
