@@ -4,8 +4,8 @@ The library is framework-free (torch only): per-token energy from logits (`otbrl
 states and the output head (`otbrl.fused`), grouped advantage estimators (`otbrl.estimators`),
 policy-gradient losses (`otbrl.losses`), stability diagnostics (`otbrl.stability`) and an exact
 reference (`otbrl.exact`). Generation (`otbrl.rollout`), tools (`otbrl.tools`) and the TRL and verl
-adapters (`otbrl.integrations`) load their heavy dependencies on import; the `otbrl` command and the
-studies live in `otbrl.app`.
+adapters (`otbrl.integrations`) load their heavy dependencies on import; the `otbrl` command lives in
+`otbrl.app`. (The project's evidence suite is the repository's `studies/`, outside the package.)
 """
 
 from otbrl.energy import realized_energy, sum_pi_squared, token_energy, token_energy_from_logprobs
@@ -16,15 +16,12 @@ from otbrl.stats import TokenStats
 
 from otbrl import exact, stability  # isort: skip  (exact registers the "otb_exact" estimator)
 
-diagnostics = stability  # the name of round 1 (SurgeDetector, batch_diagnostics)
-
 __all__ = [
     "ESTIMATORS",
     "AdvantageResult",
     "PolicyLoss",
     "TokenStats",
     "compute_advantages",
-    "diagnostics",
     "exact",
     "fused_token_stats",
     "policy_gradient_loss",

@@ -39,8 +39,8 @@ from studies.inference import (
     verdict,
 )
 from studies.outcomes import cells, critical_lr, split, stability_verdict
-from studies.pages import markdown_table
-from studies.variance_page import command, ratio_name, task_horizon
+from studies.pages import kilo, markdown_table
+from studies.variance_page import GROUP_MEAN, command, ratio_name, task_horizon
 
 Row = tuple[str, str, str, str]  # claim, measurement, verdict, command
 
@@ -48,10 +48,6 @@ Row = tuple[str, str, str, str]  # claim, measurement, verdict, command
 def _interval(d: dict[str, Any]) -> Interval:
     nan = math.nan
     return Interval(*(nan if d[k] is None else d[k] for k in ("mean", "lo", "hi")), d["n"], d["confidence"])
-
-
-def _k(tokens: float) -> str:
-    return f"{tokens / 1000:g}k"
 
 
 def horizon_text(h: dict[str, float]) -> str:
@@ -101,8 +97,8 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
     for c in res["comparisons"]:
         parts = []
         for h in c["heldout"]:
-            at = _k(h["budget"]) + (
-                f" vs {_k(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"] else ""
+            at = kilo(h["budget"]) + (
+                f" vs {kilo(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"] else ""
             )
             role = " (primary)" if h.get("primary") else (" (secondary)" if "primary" in c else "")
             parts.append(f"held-out reward @{at}{role}: {_interval(h['interval'])}")
@@ -394,7 +390,6 @@ def lr_decay_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
 
 # The variance study's rows.
 
-GROUP_MEAN = "dr_grpo"  # A = R - group mean: the baseline OTB generalises, what claim (a) sets it against
 PROXY_RANK = 0.7  # least per-sequence Spearman of proxy and exact W_T for the proxy to stand in
 PROXY_NSR = 1.25  # most NSR(otb proxy) / NSR(otb exact) for the proxy to stand in
 

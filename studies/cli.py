@@ -18,7 +18,7 @@ from typing import Any
 
 from otbrl.app.cli import CliError, int_list
 from studies import variance
-from studies.claims import STUDIES, sync_readme, write_claims
+from studies.claims import STUDIES, proxy_claim, sync_readme, variance_claim, write_claims
 from studies.compare import compare, experiment_names, pilot
 
 
@@ -82,7 +82,7 @@ def variance_command(args: argparse.Namespace, rest: list[str]) -> None:
     if args.out is None and args.quick:  # a smoke run's pages go under the current directory
         args.out = Path("runs/variance-quick")
     try:
-        variance.main(args)
+        variance.main(args, verdicts=lambda res: [variance_claim(res), proxy_claim(res)])
     except ValueError as err:
         raise fail(str(err)) from None
 

@@ -32,7 +32,7 @@ from studies.outcomes import (
     plot_ladder_runs,
 )
 from studies.outcomes import interval_json as _interval
-from studies.pages import markdown_table, mean_sd, read_record
+from studies.pages import kilo, markdown_table, mean_sd, read_record
 from studies.plots import plot_pilot
 from studies.runs import (
     ProtocolChanged,
@@ -54,10 +54,6 @@ RESULTS = Path("docs/results")
 
 def _smoothing(exp: Experiment) -> str:
     return f"{exp.smooth_samples} samples" if exp.smooth_samples else f"{exp.smooth} steps"
-
-
-def _k(tokens: float) -> str:
-    return f"{tokens / 1000:g}k"
 
 
 def _whole(values: list[float]) -> str:
@@ -89,7 +85,7 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
     head = [
         "arm",
         "seeds",
-        *(f"held-out @{_k(b)}" if b else "held-out @0 (start)" for b in budgets),
+        *(f"held-out @{kilo(b)}" if b else "held-out @0 (start)" for b in budgets),
         *(["held-out at the end"] if end else []),
         *(f"tokens to {th:g} (reached)" for th in exp.thresholds),
         "final train reward",
@@ -134,8 +130,8 @@ def comparisons_table(result: dict[str, Any]) -> str:
     rows = []
     for c in result["comparisons"]:
         for h in c["heldout"]:
-            at = _k(h["budget"]) + (
-                f" vs {_k(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"] else ""
+            at = kilo(h["budget"]) + (
+                f" vs {kilo(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"] else ""
             )
             role = " (**primary**)" if h.get("primary") else (" (secondary)" if "primary" in c else "")
             rows.append(
@@ -171,7 +167,7 @@ def where_table(result: dict[str, Any]) -> str:
     rows = [
         [
             c["name"],
-            f"held-out @{_k(h['budget'])}",
+            f"held-out @{kilo(h['budget'])}",
             g["candidate"],
             g["baseline"],
             g["seeds"],
@@ -851,7 +847,7 @@ def pilot_page(
             [
                 p["name"],
                 p["kind"],
-                _k(p["budget"]),
+                kilo(p["budget"]),
                 p["pilot_seeds"],
                 " ".join(f"{d:+.3f}" for d in p["diffs"]) or "—",
                 _fmt(p["pilot_sd"]),

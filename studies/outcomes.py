@@ -88,12 +88,6 @@ def first_crossing(tokens: list[float], smooth: list[float], threshold: float) -
     return None
 
 
-def analyse_run(run_dir: Path, exp: Experiment, seed: int = 0, batch: int = 1) -> dict[str, Any]:
-    """`analyse_rows` of a run directory's metrics.jsonl and summary.json."""
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    return analyse_rows(rows, json.loads((run_dir / "summary.json").read_text()), exp, seed, batch)
-
-
 def _mean(values: list[float]) -> float:
     kept = [v for v in values if v is not None and math.isfinite(v)]
     return statistics.fmean(kept) if kept else math.nan

@@ -55,6 +55,11 @@ def markdown_table(header: Sequence[object], rows: Sequence[Sequence[object]], a
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
+def kilo(tokens: float) -> str:
+    """12000 -> '12k' (token budgets in page text)."""
+    return f"{tokens / 1000:g}k"
+
+
 def mean_sd(values: Sequence[float | None]) -> str:
     """'mean ± sd' over the values that are numbers (None and NaN dropped), '—' if none; values of
     1000 or more in thousands ('12.3k')."""

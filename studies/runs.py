@@ -248,11 +248,6 @@ def make_record(run: Run, stamp: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_records(folder: Path) -> list[dict[str, Any]]:
-    """Every record under `folder` (an experiment's), in path order."""
-    return [read_record(p) for p in sorted(folder.glob("*/seed*.json.gz"))]
-
-
 def is_done(run: Run) -> bool:
     """A run counts as done when it wrote its summary with the same recipe it would be run with now."""
     recipe = run.dir / "run.json"

@@ -55,10 +55,9 @@ from otbrl.rollout import Samples, sample
 from otbrl.stability import group_horizons
 from otbrl.tasks import dataset, get_task, warm_start
 from otbrl.tasks.warmstart import SHIPPED, default_cache_dir
-from studies.claims import GROUP_MEAN, proxy_claim, variance_claim
 from studies.gradstats import gradient_stats, nsr_ratio, pooled_correlations, variance_ratio
 from studies.plots import plot_variance
-from studies.variance_page import ratio_name, report
+from studies.variance_page import GROUP_MEAN, ratio_name, report
 
 # label -> (registered estimator, its options, which energy it reads: None, "proxy" or "exact")
 Setting = tuple[str, dict[str, Any], str | None]
@@ -350,7 +349,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ref-batches", type=int, help=f"chunks of the reference gradient (default {d.ref_batches})"
     )
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the batches sampled (default 0)")
     parser.add_argument(
         "--name", default=d.name, help=f"file stem of the pages: NAME.md, .json, .png (default {d.name})"
     )
@@ -380,10 +379,15 @@ def check_name(name: str) -> str:
     return name
 
 
-def write_pages(res: dict[str, Any], out: Path) -> Path:
-    """NAME.md, NAME.json and NAME.png under out (NAME: res["config"]["name"]); returns the markdown path."""
+Verdicts = Callable[[dict[str, Any]], list[tuple[str, ...]]]
+
+
+def write_pages(res: dict[str, Any], out: Path, verdicts: Verdicts) -> Path:
+    """NAME.md, NAME.json and NAME.png under out (NAME: res["config"]["name"]); returns the markdown path.
+    `verdicts(res)`: the claims rows the page heads with (the caller's rules: the measurement does not
+    depend on the verdict page)."""
     name = check_name(res["config"]["name"])
-    text = report(res, GROUP_MEAN, REFERENCE_GROUP_SIZE, [variance_claim(res), proxy_claim(res)])
+    text = report(res, GROUP_MEAN, REFERENCE_GROUP_SIZE, verdicts(res))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
     # The numbers behind the page (everything but the scatter tensors), for otbrl claims and readers.
@@ -394,7 +398,7 @@ def write_pages(res: dict[str, Any], out: Path) -> Path:
     return out / f"{name}.md"
 
 
-def main(args: argparse.Namespace) -> Path:
+def main(args: argparse.Namespace, verdicts: Verdicts) -> Path:
     """Run the study and write NAME.md, NAME.json and NAME.png (NAME: --name, default variance); returns
     the markdown path."""
     cfg = config_from_args(args)
@@ -406,7 +410,7 @@ def main(args: argparse.Namespace) -> Path:
     if not cfg.quick:  # everything the pages are made from, so they can be redrawn without a rerun
         Path("runs").mkdir(exist_ok=True)
         torch.save(res, Path("runs") / f"{cfg.name}-result.pt")
-    page = write_pages(res, out)
+    page = write_pages(res, out, verdicts)
     print(page.read_text())
     print(f"wrote {page}, .json and .png")
     return page

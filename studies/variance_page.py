@@ -10,6 +10,8 @@ from typing import Any
 
 from studies.pages import machine, markdown_table
 
+GROUP_MEAN = "dr_grpo"  # A = R - group mean: the baseline OTB generalises, what claim (a) sets it against
+
 
 def matching_group_size(curve: dict[int, float], target: float) -> str:
     """The N at which a decreasing variance curve reaches `target` (log-log interpolation), as text."""

@@ -116,34 +116,55 @@ def metrics_callback(
     return MetricsJsonl()
 
 
-def progress_callback(tokens_per_step: int, bar: bool) -> Any:
+def progress_callback(
+    tokens_per_step: int, bar: bool, budget: int | None = None, metrics: Path | None = None
+) -> Any:
+    """A progress bar (or, with disable_tqdm, one line per log) that counts what the run stops at:
+    generated tokens against `budget` when the run stops at a token budget (its ETA is then a true one),
+    steps against max_steps otherwise. `metrics`: the run's metrics.jsonl, where a resumed run's tokens so
+    far are read."""
+
     class CompactProgress(TrainerCallback):
-        """A progress bar (or, with disable_tqdm, one line per log) showing step, reward, grad norm and
-        generated tokens/s, in place of transformers' per-step dict of every metric."""
+        """Step, reward, grad norm and generated tokens/s, in place of transformers' per-step dict of
+        every metric."""
 
         def __init__(self) -> None:
             self.bar: Any = None
-            self.clock, self.step = 0.0, 0
+            self.clock, self.step, self.generated = 0.0, 0, 0.0
 
         def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
             self.clock, self.step = time.perf_counter(), state.global_step
+            if budget is not None and metrics is not None and metrics.is_file():
+                kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= state.global_step]
+                self.generated = kept[-1].get("generated_tokens", 0.0) if kept else 0.0
             if bar and state.is_world_process_zero:
-                self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step")
+                if budget is not None:
+                    self.bar = tqdm(
+                        total=budget, initial=int(self.generated), desc="train", unit="tok", unit_scale=True
+                    )
+                else:
+                    self.bar = tqdm(
+                        total=state.max_steps, initial=state.global_step, desc="train", unit="step"
+                    )
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
             if not state.is_world_process_zero or not logs or ("loss" not in logs and "reward" not in logs):
                 return
             now = time.perf_counter()
             tokens = logs.get("completions/mean_length", 0.0) * tokens_per_step
+            self.generated += tokens
             parts = [
+                f"step {state.global_step}" if budget is not None else None,
                 f"reward {logs['reward']:.3f}" if "reward" in logs else None,
                 f"grad norm {logs['grad_norm']:.3g}" if "grad_norm" in logs else None,
                 f"{tokens / max(now - self.clock, 1e-9):,.0f} tok/s",
             ]
             text = "  ".join(p for p in parts if p)
             if self.bar is not None:
-                self.bar.update(state.global_step - self.step)
+                self.bar.update(round(tokens) if budget is not None else state.global_step - self.step)
                 self.bar.set_postfix_str(text, refresh=True)
+            elif budget is not None:
+                print(f"{self.generated:,.0f}/{budget:,} tokens  {text}", flush=True)
             else:
                 print(f"step {state.global_step}/{state.max_steps}  {text}", flush=True)
             self.clock, self.step = now, state.global_step

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from otbrl.app.compare import compare
+from otbrl.app.config import keys_epilog
 from otbrl.app.recipe import load_recipe, parse_value, recipe_names
 from otbrl.app.train import run, summary_table, written
 from otbrl.integrations.trl.rewards import RewardFailure
@@ -129,7 +130,12 @@ def add_recipes(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def add_train(sub: Subparsers) -> argparse.ArgumentParser:
-    p = sub.add_parser("train", help="train with a recipe; any recipe key can be overridden as --key value")
+    p = sub.add_parser(
+        "train",
+        help="train with a recipe; any recipe key can be overridden as --key value",
+        epilog=keys_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument(
         "--config", required=True, help=f"a recipe file, or a packaged recipe: {', '.join(recipe_names())}"
     )

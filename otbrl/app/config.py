@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import textwrap
 from typing import Any
 
 
@@ -110,6 +112,8 @@ class RecipeKeys:
         What a CPU run needs where TRL's defaults differ (bf16 and gradient checkpointing are on there):
         `output_dir: runs/otbrl`, `bf16: false`, `gradient_checkpointing: false`, `logging_steps: 1`,
         `report_to: [tensorboard]`, `save_strategy: steps`, `save_steps: 50`, `beta: 0.0`, `seed: 0`.
+        `bf16` also takes `auto`: bf16 autocast where the hardware computes bf16 natively (a GPU that
+        supports it, or a CPU with AMX or AVX-512 BF16), float32 elsewhere; the run says which it chose.
     """
 
     task: str | None = None
@@ -155,3 +159,24 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "beta": 0.0,
     "seed": 0,
 }
+
+
+def key_help() -> dict[str, str]:
+    """{key: its help text} for every RecipeKeys field, read from the docstring above (the one place
+    they are written), so `otbrl train --help` and the docs say the same."""
+    doc = textwrap.dedent(RecipeKeys.__doc__ or "")
+    entries = re.findall(r"^ {4}(\w+) \((.*?)\):\n((?: {8}.*\n?)+)", doc, flags=re.M)
+    return {name: " ".join(text.split()) for name, _, text in entries}
+
+
+def keys_epilog(width: int = 100) -> str:
+    """The recipe keys with their defaults and help, as `otbrl train --help` lists them."""
+    helps = key_help()
+    lines = ["otbrl's recipe keys (YAML or --key value; any OTBGRPOConfig field is a key too):", ""]
+    for name, default in RECIPE_DEFAULTS.items():
+        lines.append(f"  --{name} (default {default!r})")
+        lines += textwrap.wrap(helps[name], width, initial_indent="      ", subsequent_indent="      ")
+    defaults = ", ".join(f"{k}={v!r}" for k, v in TRAINER_DEFAULTS.items())
+    lines += ["", "OTBGRPOConfig fields whose defaults a recipe changes for a CPU run:"]
+    lines += textwrap.wrap(defaults, width, initial_indent="  ", subsequent_indent="  ")
+    return "\n".join(lines)

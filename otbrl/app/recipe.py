@@ -25,7 +25,9 @@ from transformers import HfArgumentParser
 
 from otbrl.app.answers import get_reward
 from otbrl.app.config import RECIPE_DEFAULTS, TRAINER_DEFAULTS, RecipeKeys
+from otbrl.app.precision import resolve_bf16
 from otbrl.integrations.trl import OTBGRPOConfig
+from otbrl.rollout.multiturn import resolve_tools
 from otbrl.tasks import get_task
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -159,6 +161,8 @@ def coerce(key: str, value: Any) -> Any:
     them. A string for a list or mapping field is read as YAML (`[calc]`, `{leave_one_out: true}`)."""
     actions, hints, defaults = _schema()
     action, shapes = actions[key], _shapes(hints[key])
+    if key in AUTO_KEYS and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"  # resolved for the machine that trains (make_config), not the one that reads
     if value is None or (isinstance(value, str) and value in ("null", "~") and "none" in shapes):
         if "none" in shapes or defaults.get(key) is None:
             return None
@@ -272,9 +276,16 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
         get_task(recipe["task"])  # unknown names fail here
     if recipe["reward"] != "task":
         get_reward(recipe["reward"])
-    elif recipe["dataset"]:
+    elif not recipe["task"]:
         raise ValueError("reward: 'task' needs a built-in task; use exact, numeric or math for a dataset")
     synthetic = str(recipe["model"]).partition(":")[0] in ("warm", "random")
+    if str(recipe["model"]).startswith("warm") and not recipe["task"]:
+        raise ValueError("model: warm:<preset> warm-starts on a built-in task; set task, or give a model")
+    tools, turns = tool_settings(recipe)
+    if tools:
+        resolve_tools(list(tools))  # unknown names fail here
+        if turns < 1:
+            raise ValueError(f"max_turns: must be >= 1 when tools are given, got {turns}")
     if recipe["chat"] and synthetic:
         raise ValueError("chat: warm:/random: models use a character tokenizer without a chat template")
     if recipe["sampler"] not in ("trl", "otbrl"):
@@ -287,13 +298,27 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
     return make_config(given)  # TRL's own checks last: ours name the key and the rule
 
 
+def tool_settings(recipe: dict[str, Any]) -> tuple[tuple[str, ...], int]:
+    """(tool names, max turns) of a recipe: its own keys, else its built-in task's; () means one turn."""
+    task = get_task(recipe["task"]) if recipe["task"] else None
+    tools = recipe["tools"] if recipe["tools"] is not None else (task.tools if task else ())
+    if isinstance(tools, str):
+        tools = [tools]
+    turns = recipe["max_turns"] if recipe["max_turns"] is not None else (task.max_turns if task else 3)
+    return tuple(tools), int(turns)
+
+
+AUTO_KEYS = ("bf16",)  # keys that also take "auto" (otbrl.app.precision)
+
+
 def make_config(recipe: dict[str, Any]) -> Any:
     """The OTBGRPOConfig of a typed recipe; its own checks (the estimator's options among them, by
     `otbrl.estimators.resolve`) become one-line ValueErrors."""
     fields = {f.name for f in dataclasses.fields(OTBGRPOConfig)}
+    values = {k: v for k, v in recipe.items() if k in fields}
+    use_cpu = not torch.cuda.is_available()
+    values["bf16"] = resolve_bf16(values.get("bf16", False), use_cpu)[0]
     try:
-        return OTBGRPOConfig(
-            **{k: v for k, v in recipe.items() if k in fields}, use_cpu=not torch.cuda.is_available()
-        )
+        return OTBGRPOConfig(**values, use_cpu=use_cpu)
     except (ValueError, TypeError, ZeroDivisionError) as err:
         raise ValueError(" ".join(str(err).split())) from None

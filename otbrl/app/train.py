@@ -23,7 +23,8 @@ from otbrl.app.callbacks import PromptLedger, TokenBudgets, metrics_callback, pr
 from otbrl.app.heldout_cache import before_key, cache_folder, cached_score
 from otbrl.app.metrics import read_metrics
 from otbrl.app.plots import plot_curves
-from otbrl.app.recipe import check_recipe
+from otbrl.app.precision import resolve_bf16
+from otbrl.app.recipe import make_config, tool_settings
 from otbrl.app.sources import (
     check_enough_rows,
     choose_model,
@@ -35,14 +36,11 @@ from otbrl.app.sources import (
 from otbrl.integrations.trl import OTBGRPOTrainer, rollout_func, sampler_rollout_func
 from otbrl.integrations.trl.rewards import GuardedReward
 from otbrl.rollout import evaluate
-from otbrl.rollout.multiturn import resolve_tools
 from otbrl.tasks import get_task
 
 
 def make_reward(recipe: dict[str, Any]) -> Callable[..., list[float]]:
-    if recipe["reward"] == "task":
-        if not recipe["task"]:
-            raise ValueError("reward: 'task' needs a built-in task; use exact, numeric or math for a dataset")
+    if recipe["reward"] == "task":  # a checked recipe has a task then
         task = get_task(recipe["task"])
 
         def task_reward(prompts: list, completions: list, answer: list[str], **_: Any) -> list[float]:
@@ -51,22 +49,6 @@ def make_reward(recipe: dict[str, Any]) -> Callable[..., list[float]]:
         task_reward.__name__ = f"{task.name}_reward"
         return task_reward
     return get_reward(recipe["reward"])
-
-
-def tool_settings(recipe: dict[str, Any]) -> tuple[tuple[str, ...], int]:
-    """(tool names, max turns) of a recipe: its own keys, else its built-in task's; () means one turn."""
-    task = None
-    if recipe["task"]:
-        task = get_task(recipe["task"])
-    tools = recipe["tools"] if recipe["tools"] is not None else (task.tools if task else ())
-    if isinstance(tools, str):
-        tools = [tools]
-    turns = recipe["max_turns"] if recipe["max_turns"] is not None else (task.max_turns if task else 3)
-    if tools:
-        resolve_tools(list(tools))  # unknown names fail here
-        if int(turns) < 1:
-            raise ValueError(f"max_turns: must be >= 1 when tools are given, got {turns}")
-    return tuple(tools), int(turns)
 
 
 def checkpoint_problems(path: Path) -> list[str]:
@@ -112,16 +94,16 @@ def reward_failures(metrics: Path) -> int:
 
 
 def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Train as the recipe says. Returns the summary (also written to output_dir/summary.md)."""
+    """Train as the recipe says: `recipe` as `load_recipe` returns it (typed and checked; no rule is
+    checked twice). Returns the summary (also written to output_dir/summary.md)."""
     if recipe["threads"]:
         torch.set_num_threads(int(recipe["threads"]))
     torch.manual_seed(recipe["seed"])
-    # Everything that can be wrong with the recipe fails here, before a warm start or a model load.
-    config = check_recipe(recipe)
+    config = make_config(recipe)  # load_recipe checked every rule; the data's own rules fail next
+    why = resolve_bf16(recipe.get("bf16"), config.use_cpu)[1]
+    log(why or f"precision: {'bf16 autocast' if config.bf16 else 'float32'}")
     train_rows, eval_rows = load_rows(recipe)
     check_enough_rows(train_rows, config, "train_size" if recipe["task"] else "dataset")
-    if str(recipe["model"]).startswith("warm") and not recipe["task"]:
-        raise ValueError("model: warm:<preset> warm-starts on a built-in task; set task, or give a model")
     ledger = PromptLedger(make_reward(recipe))  # inside the guard: the guard counts the failures
     reward = GuardedReward(ledger, max_failure_fraction=recipe["reward_max_failure_fraction"])
     tools, max_turns = tool_settings(recipe)
@@ -193,7 +175,9 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     trainer.add_callback(metrics_callback(metrics, config.generation_batch_size, budgets, ledger))
     for printer in (ProgressCallback, PrinterCallback):  # they print every step's dict of ~30 metrics
         trainer.remove_callback(printer)
-    trainer.add_callback(progress_callback(config.generation_batch_size, bar=not config.disable_tqdm))
+    trainer.add_callback(
+        progress_callback(config.generation_batch_size, not config.disable_tqdm, budgets.stop_at, metrics)
+    )
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     if not metrics.is_file():
         raise ValueError(f"max_steps: no training step ran (max_steps {config.max_steps})")

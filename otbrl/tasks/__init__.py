@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from otbrl.tasks.builtin import TASKS, Task, dataset, get_task, running_sum_dense
+from otbrl.tasks.builtin import TASKS, Task, dataset, get_task
 from otbrl.tasks.chat import CHAT_TASKS
 from otbrl.tasks.tokenizer import VOCAB_SIZE, char_tokenizer
 
@@ -29,7 +29,6 @@ __all__ = [
     "char_tokenizer",
     "dataset",
     "get_task",
-    "running_sum_dense",
     *_LAZY,
 ]
 

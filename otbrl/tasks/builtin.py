@@ -103,14 +103,6 @@ def running_sum_reward(completion: str, answer: str) -> float:
     return float(bool(sep) and tail == answer.rpartition(";")[2])
 
 
-def running_sum_dense(completion: str, answer: str) -> float:
-    """Partial credit in [0, 1]: the fraction of the answer's characters (chain, `;`, final digit) matched
-    position by position. Not used by the registered tasks; useful for diagnostics and shaping."""
-    text = clean(completion)
-    hits = sum(a == b for a, b in zip(text, answer, strict=False))
-    return hits / max(len(answer), len(text))  # extra characters count against
-
-
 def make_product3(rng: random.Random) -> tuple[str, str]:
     """`"37*482*91="` -> `"1622894"`: a 2-digit, a 3-digit and a 2-digit number multiplied. Far beyond
     what a tiny model computes in its head; easy with a calculator and two calls."""

@@ -22,7 +22,7 @@ def test_claims_and_variance_from_an_unrelated_directory(tmp_path, monkeypatch, 
     assert "runs/compare-quick/results" in err
     # variance --quick writes under the current directory, not a fixed folder of the system temp dir.
     seen = []
-    monkeypatch.setattr(variance, "main", lambda args: seen.append(args.out))
+    monkeypatch.setattr(variance, "main", lambda args, verdicts: seen.append(args.out))
     main(["variance", "--quick"])
     main(["variance", "--quick", "--out", "elsewhere"])
     assert seen == [Path("runs/variance-quick"), Path("elsewhere")]
