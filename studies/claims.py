@@ -2,14 +2,14 @@
 measured and a verdict computed from the studies' JSON results by the rules stated next to each row; a
 study not yet run says so instead of guessing.
 
-Rows from `otbrl compare` experiments: one row per paired comparison the experiment's YAML names (its
-`claim`, endpoints and verdict), the stability claim from the learning-rate ladder and the
+Rows from `python -m studies compare` experiments: one row per paired comparison the experiment's
+YAML names (its `claim`, endpoints and verdict), the stability claim from the learning-rate ladder and the
 length-triggered LR decay question. Arms are found by the roles the YAML gives them, so a renamed arm is
 followed here and a missing role is a clear error.
 
-Rows from the variance study (NAME.json of `otbrl variance --name NAME`): (a) OTB lowers the policy
-gradient's noise against the group mean, and the Logit-Gradient Proxy stands in for the exact score norms.
-Both rest on the paired noise-to-signal ratios and their 95% intervals (`gradstats.nsr_ratio`), not on
+Rows from the variance study (NAME.json of `python -m studies variance --name NAME`): (a) OTB lowers the
+policy gradient's noise against the group mean, and the Logit-Gradient Proxy stands in for the exact score
+norms. Both rest on the paired noise-to-signal ratios and their 95% intervals (`gradstats.nsr_ratio`), not on
 point estimates.
 """
 
@@ -83,12 +83,12 @@ def horizon(res: dict[str, Any], task: str) -> str:
 
 
 def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
-    """One row per comparison in `<experiment>.json` (written by `otbrl compare`)."""
+    """One row per comparison in `<experiment>.json` (written by `python -m studies compare`)."""
     exp = load_experiment(experiment)
     if "comparisons" not in res:
         raise ValueError(
             f"{experiment}.json: no paired comparisons (written by an older otbrl); rerun "
-            f"`otbrl compare {experiment}`"
+            f"`python -m studies compare {experiment}`"
         )
     task = horizon(res, exp.recipe)
     missing = phenomenon_missing(res, exp)
@@ -136,7 +136,7 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
                 c.get("claim", c["name"]),
                 measured,
                 f"**{result}** (rule: {why}; {decides})",
-                f"`otbrl compare {experiment}`",
+                f"`python -m studies compare {experiment}`",
             )
         )
     return rows
@@ -312,7 +312,7 @@ def stability_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
         f"{rule('better', 0.0, exp.confidence)} — against each group-mean arm; not tested if no run "
         "collapsed; censored runs read both ways, the verdict only where both readings agree — a change "
         "after the ladder's results were seen, issue 22 item 7)",
-        f"`otbrl compare {experiment}`",
+        f"`python -m studies compare {experiment}`",
     )
 
 
@@ -384,7 +384,7 @@ def lr_decay_row(res: dict[str, Any], experiment: str = "ladder") -> Row:
         f"**{combine(verdicts)}** (rule: collapse indicators paired by seed at the same rung, base minus "
         f"decay, {rule('better', 0.0, exp.confidence)}; not tested where the trigger never fired before "
         "the base arm's collapse of the same seed and rung, or the base arm never collapsed)",
-        f"`otbrl compare {experiment}`",
+        f"`python -m studies compare {experiment}`",
     )
 
 
@@ -430,7 +430,7 @@ def task_label(res: dict[str, Any]) -> str:
 
 
 def _command(res: dict[str, Any]) -> str:
-    return f"`{command(res['config'])}`" if "config" in res else "`otbrl variance`"
+    return f"`{command(res['config'])}`" if "config" in res else "`python -m studies variance`"
 
 
 def variance_claim(res: dict[str, Any], label: str | None = None) -> Row:
@@ -520,19 +520,19 @@ def loo_question(var: dict[str, Any]) -> Row:
         "(ours) Does the unbiased leave-one-out OTB beat the paper's self-inclusive form?",
         "noise-to-signal, leave-one-out vs self-inclusive: " + ", ".join(r) + "." if r else "not measured",
         "see the numbers: leave-one-out is unbiased by construction; the question is its noise",
-        "`otbrl variance`",
+        "`python -m studies variance`",
     )
 
 
 STUDIES = {  # results JSON -> the command that writes it
-    "variance": "otbrl variance",
-    "variance-walk": "otbrl variance --task walk --name variance-walk",
-    "walk": "otbrl compare walk",
-    "walk3": "otbrl compare walk3",
-    "ladder": "otbrl compare ladder",
-    "tir": "otbrl compare tir",
-    "tir2": "otbrl compare tir2",
-    "smollm2": "otbrl compare smollm2",
+    "variance": "python -m studies variance",
+    "variance-walk": "python -m studies variance --task walk --name variance-walk",
+    "walk": "python -m studies compare walk",
+    "walk3": "python -m studies compare walk3",
+    "ladder": "python -m studies compare ladder",
+    "tir": "python -m studies compare tir",
+    "tir2": "python -m studies compare tir2",
+    "smollm2": "python -m studies compare smollm2",
 }
 
 
@@ -611,7 +611,8 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         "rows), on a 2-core CPU (some runs on a lent GPU: each page lists where its runs were trained): a "
         "small-scale check of the mechanisms, not of the paper's 7B numbers. "
         "Each row's verdict follows the rule stated in it, "
-        "applied to the numbers in the linked pages; regenerate this page with `otbrl claims` after the "
+        "applied to the numbers in the linked pages; regenerate this page with `python -m studies claims` "
+        "after the "
         "studies. Verdicts: **held**, **did not hold**, **inconclusive** (the interval spans the decision "
         "point) or **not tested** (the phenomenon did not occur, or too few seeds pair up).",
         "",
@@ -636,7 +637,8 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         "",
         "Every experiment's protocol (its YAML but the description and quick section) is registered with "
         "its hash when its first run starts (`docs/results/runs/<experiment>/protocol.json`) and stamped "
-        "on every run's committed record; `otbrl compare` refuses a changed protocol unless the change is "
+        "on every run's committed record; `python -m studies compare` refuses a changed protocol unless "
+        "the change is "
         "recorded with `--amend REASON`, and every such amendment is listed here.",
         "",
         "Withdrawn: round 1's `efficiency`, `efficiency48` and `stress` experiments (fixed-length answers, "
@@ -660,7 +662,10 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
     return out
 
 
-BEGIN, END = "<!-- claims.md begins: written by `otbrl claims --readme` -->", "<!-- claims.md ends -->"
+BEGIN, END = (
+    "<!-- claims.md begins: written by `python -m studies claims --readme` -->",
+    "<!-- claims.md ends -->",
+)
 
 
 def readme_block(claims_md: Path, readme: Path) -> str:

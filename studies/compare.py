@@ -1,6 +1,6 @@
-"""`otbrl compare`: an experiment's training runs (arms x seeds, see `experiment`), each one `otbrl train`
-run in its own process, analysed (`outcomes`) into one results page with a table, the runs' events and a
-plot of what the arms bought."""
+"""`python -m studies compare`: an experiment's training runs (arms x seeds, see `experiment`), each one
+`otbrl train` run in its own process, analysed (`outcomes`) into one results page with a table, the runs'
+events and a plot of what the arms bought."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from studies.experiment import (
     experiment_names,
     load_experiment,
     pilot_plan,
+    piloted,
     plan,
     variance_plan,
 )
@@ -251,7 +252,8 @@ def definitions(exp: Experiment) -> str:
                 "inconclusive otherwise."
             )
             if exp.comparisons
-            else " Verdicts on collapse are stated with the claims that read this page (`otbrl claims`)."
+            else " Verdicts on collapse are stated with the claims that read this page "
+            "(`python -m studies claims`)."
         )
     )
 
@@ -383,7 +385,7 @@ def where_text(result: dict[str, Any]) -> str:
 
 
 def to_json(result: dict[str, Any]) -> dict[str, Any]:
-    """The per-arm numbers and comparisons (intervals as mappings), for `otbrl claims`."""
+    """The per-arm numbers and comparisons (intervals as mappings), for `python -m studies claims`."""
     comparisons = []
     for c in result["comparisons"]:
         heldout = [{**h, "interval": _interval(h["interval"])} for h in c["heldout"]]
@@ -491,7 +493,7 @@ def compare(
     if not result["arms"]:
         raise RuntimeError(f"{exp.name}: every run failed:\n" + "\n".join(failures))
     result["registration"], result["heldout_split"] = registration(records), _heldout_split(exp)
-    command = f"otbrl compare {spec}" + (" --quick" if quick else "") + f" --jobs {jobs}"
+    command = f"python -m studies compare {spec}" + (" --quick" if quick else "") + f" --jobs {jobs}"
     page = report(exp, result, results, command, time.perf_counter() - start, failures)
     log(table(exp, result))
     return page, failures
@@ -536,7 +538,7 @@ def picks_and_gate(
     gate = (exp.pilot or {}).get("gate")
     lrs = sorted({r.overrides["learning_rate"] for r in runs})
     picks, score_rows, gate_rows, ok = {}, [], [], True
-    for arm in exp.arms:
+    for arm in piloted(exp):
         mine = [r for r in runs if r.arm.startswith(arm + "@")]
         data = {r.overrides["learning_rate"]: _run_data(r, records) for r in mine}
         scores = {lr: pilot_score(d[0]) for lr, d in data.items() if d is not None}
@@ -712,8 +714,10 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
         for row in gate_rows
         if row[-1] not in ("**passed**", "pending")
     ]
-    if not ok and len(picks) < len(exp.arms):
-        problems.append(f"the pilot has not run (or not every arm): `otbrl compare {exp.name} --pilot`")
+    if not ok and len(picks) < len(piloted(exp)):
+        problems.append(
+            f"the pilot has not run (or not every arm): `python -m studies compare {exp.name} --pilot`"
+        )
     for arm, lr in picks.items():
         own = (exp.arms[arm] or {}).get("learning_rate")
         if own is None or float(own) != float(lr):
@@ -784,7 +788,7 @@ def pilot(
         )
         if failures:
             raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
-    command = f"otbrl compare {spec} --pilot --jobs {jobs}"
+    command = f"python -m studies compare {spec} --pilot --jobs {jobs}"
     return pilot_page(exp, runs, results, command, log, records=records, stage2=stage2)
 
 
@@ -807,7 +811,8 @@ def pilot_page(
     parts = [
         f"# Pilot of experiment `{exp.name}`",
         f"Regenerate: `{command}` (runs with a committed record in `docs/results/runs/{exp.name}-pilot/` "
-        f"are not redone; `otbrl compare {exp.name} --pilot --no-run` rebuilds this page from them alone).",
+        f"are not redone; `python -m studies compare {exp.name} --pilot --no-run` rebuilds this page from "
+        "them alone).",
         f"Seed {exp.pilot['seed']} (not a reported seed). Rule: each arm takes the learning rate with the "
         "highest mean train reward over the last quarter of its steps; the picks are written into the "
         "experiment's YAML before its reported runs. These numbers are not evidence for any claim.",

@@ -8,7 +8,7 @@ detector would have caught in time (a trigger at or before the collapse step), l
 those that did not, how many it would have fired on anyway. This measures the detector's timing only: a
 trigger in time is necessary, not sufficient, for the decay to prevent a collapse.
 
-Regenerate (from the repo root, after `otbrl compare ladder`):
+Regenerate (from the repo root, after `python -m studies compare ladder`):
     python -m studies.decay_timing    # reads the committed run records (docs/results/runs/ladder/),
                                          # else runs/compare/ladder; writes docs/results/decay_timing.md
 """
@@ -105,7 +105,9 @@ def main() -> None:
     result = analyse(exp, plan(exp, runs_dir), records)
     base_runs = {arm: rs for arm, rs in result["runs"].items() if split(arm)[0] not in variants}
     if not base_runs:
-        raise SystemExit(f"no finished runs under {runs_dir}: run `otbrl compare {args.experiment}` first")
+        raise SystemExit(
+            f"no finished runs under {runs_dir}: run `python -m studies compare {args.experiment}` first"
+        )
     own = detector_settings(exp, sorted(variants)[0])
     rows = []
     for label, overrides in SETTINGS:

@@ -1,5 +1,5 @@
-"""Experiment files for `otbrl compare`: arms (estimator, group size, learning rate, ...) x seeds over one
-base recipe, the roles their arms play in the paper's claims, and the plan of `otbrl train` runs.
+"""Experiment files for `python -m studies compare`: arms (estimator, group size, learning rate, ...) x seeds
+over one base recipe, the roles their arms play in the paper's claims, and the plan of `otbrl train` runs.
 
 An experiment is a YAML file (packaged ones live in `studies/experiments/`):
 
@@ -8,7 +8,7 @@ An experiment is a YAML file (packaged ones live in `studies/experiments/`):
     prompts_per_step: 8            # same prompt budget per step: batch = prompts_per_step x num_generations
     seeds: [0, 1, 2]
     reference: grpo-N32            # the arm the others are measured against (the `reference` role)
-    roles: {candidate: otb-N4, same_n_baseline: dr_grpo-N4}   # arms otbrl claims reads, by role
+    roles: {candidate: otb-N4, same_n_baseline: dr_grpo-N4}   # arms python -m studies claims reads, by role
     arms:
       grpo-N4: {advantage_estimator: grpo, num_generations: 4}
       ...
@@ -17,7 +17,7 @@ An experiment is a YAML file (packaged ones live in `studies/experiments/`):
 The fair protocol's keys, fixed before the runs:
 
     arms: {grpo-N32: {..., seeds: [0, 1, 2]}}     # an arm's own seeds (a subset of `seeds`)
-    pilot: {seed: 100, learning_rates: [1.0e-4, 3.0e-4]}   # `otbrl compare NAME --pilot` picks each
+    pilot: {seed: 100, learning_rates: [1.0e-4, 3.0e-4]}   # `studies compare NAME --pilot` picks each
                                                    # arm's learning rate on this seed (never reported);
                                                    # an arm's `pilot_learning_rates` replace the list;
                                                    # `token_factor` scales each arm's token budget
@@ -34,7 +34,7 @@ The fair protocol's keys, fixed before the runs:
     power: {power: 0.8, effect: 0.03, sd: ..., seeds: ...}   # filled from the pilot's page, checked
 
 The protocol (the whole file but `description` and `quick`) is registered when the first run starts and
-every run records its hash (`runs`); a later change needs `otbrl compare NAME --amend REASON`.
+every run records its hash (`runs`); a later change needs `python -m studies compare NAME --amend REASON`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Experiment:
     arms: dict[str, dict[str, Any]]
     seeds: list[int]
     reference: str | None = None
-    # role -> an arm, a list of arms, or a mapping to more of them (see `arm_names`); read by otbrl claims
+    # role -> an arm, a list of arms, or a mapping to more of them (see `arm_names`); read by studies claims
     roles: dict[str, Any] = field(default_factory=dict)
     common: dict[str, Any] = field(default_factory=dict)
     # --quick's overrides: they win over every arm's own (an arm's max_steps must not undo a smoke run)
@@ -248,6 +248,12 @@ def plan(exp: Experiment, out: Path) -> list[Run]:
     return [_run(exp, out, arm, seed) for seed in exp.seeds for arm in exp.arms if seed in exp.arm_seeds(arm)]
 
 
+def piloted(exp: Experiment) -> list[str]:
+    """The arms the pilot runs and gates: all but those with `pilot_learning_rates: []`, whose rate an
+    amendment fixed after the pilot (listed in the YAML with its reason)."""
+    return [arm for arm in exp.arms if (exp.arms[arm] or {}).get("pilot_learning_rates") != []]
+
+
 def pilot_plan(exp: Experiment, out: Path) -> list[Run]:
     """The pilot: every arm at each of the pilot's learning rates, on the pilot seed (arm@lr)."""
     if not exp.pilot:
@@ -272,7 +278,7 @@ def variance_plan(exp: Experiment, out: Path, picks: dict[str, float]) -> list[R
         _run(
             exp, out, arm, seed, {"learning_rate": float(picks[arm]), **extra}, f"{arm}@{float(picks[arm]):g}"
         )
-        for arm in exp.arms
+        for arm in piloted(exp)
         for seed in exp.pilot.get("variance_seeds", [])
     ]
 

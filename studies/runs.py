@@ -12,7 +12,7 @@ The protocol is everything in the experiment's YAML that decides its results (se
 thresholds, comparisons and verdict rules, pilot and gate, power calculation): the whole file but its
 `description`, `quick` section and comments. Its hash is fixed in `<results>/runs/<experiment>/
 protocol.json` when the first run starts (with whether the YAML was committed then). A later change to
-it stops `otbrl compare` until it is recorded there as an amendment with a reason (`--amend`), and
+it stops `python -m studies compare` until it is recorded there as an amendment with a reason (`--amend`), and
 claims.md lists every amendment and every result made under a protocol other than its first.
 """
 

@@ -1,5 +1,5 @@
-"""`otbrl variance`: how noisy is each advantage estimator's policy gradient at one fixed checkpoint, and
-how well does the Logit-Gradient Proxy track the exact per-token score norms it stands in for?
+"""`python -m studies variance`: how noisy is each advantage estimator's policy gradient at one fixed
+checkpoint, and how well does the Logit-Gradient Proxy track the exact per-token score norms it stands in for?
 
 Method (repeated on the results page):
 - Policy: a warm-started tiny model on a built-in task (default running_sum16 / small, the shipped
@@ -390,7 +390,7 @@ def write_pages(res: dict[str, Any], out: Path, verdicts: Verdicts) -> Path:
     text = report(res, GROUP_MEAN, REFERENCE_GROUP_SIZE, verdicts(res))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
-    # The numbers behind the page (everything but the scatter tensors), for otbrl claims and readers.
+    # The numbers behind the page (everything but the scatter tensors), for `studies claims` and readers.
     numbers = {k: v for k, v in res.items() if k != "scatter"}
     numbers["per_n"] = {str(n): block for n, block in res["per_n"].items()}
     (out / f"{name}.json").write_text(json.dumps(numbers, indent=1, default=float))

@@ -1,7 +1,7 @@
-"""The results page of `otbrl variance` (docs/results/NAME.md): the headline paired noise-to-signal ratios
-with 95% intervals and the verdicts they give, the method, one table per statistic, the raw variance
-ratios, what they say about OTB against the group mean, and proxy-vs-exact correlations.
-Made from the numbers `variance.run_study` returns; no measurement happens here."""
+"""The results page of `python -m studies variance` (docs/results/NAME.md): the headline paired
+noise-to-signal ratios with 95% intervals and the verdicts they give, the method, one table per statistic, the
+raw variance ratios, what they say about OTB against the group mean, and proxy-vs-exact correlations. Made
+from the numbers `variance.run_study` returns; no measurement happens here."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def ratio_name(a: str, b: str) -> str:
 def command(cfg: dict[str, Any], threads: int | None = None) -> str:
     """The command line that regenerates these results (cfg: the study's Config as a dict; threads: the
     torch threads it ran with, when given)."""
-    parts = ["otbrl variance", f"--task {cfg['task']}"]
+    parts = ["python -m studies variance", f"--task {cfg['task']}"]
     if cfg.get("preset", "small") != "small":
         parts.append(f"--preset {cfg['preset']}")
     parts += [f"--k {cfg['k']}", f"--prompts {cfg['prompts']}"]

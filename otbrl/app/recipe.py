@@ -272,6 +272,8 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
             )
     if recipe["task"] and recipe["dataset"]:
         raise ValueError("dataset: give either task or dataset, not both")
+    if not recipe["task"] and not recipe["dataset"]:
+        raise ValueError("task: a recipe needs a built-in task or a dataset")
     if recipe["task"]:
         get_task(recipe["task"])  # unknown names fail here
     if recipe["reward"] != "task":

@@ -83,9 +83,8 @@ def _load_data(recipe: dict[str, Any]) -> Any:
 
 
 def load_rows(recipe: dict[str, Any]) -> tuple[list[dict], list[dict]]:
-    """(train rows, eval rows), each {"prompt", "answer"}; columns are checked before any training."""
-    if recipe["task"] and recipe["dataset"]:
-        raise ValueError("dataset: give either task or dataset, not both")
+    """(train rows, eval rows), each {"prompt", "answer"}, of a checked recipe (a task or a dataset, not
+    both); columns are checked before any training."""
     if recipe["task"]:
         # Two sides of the task's hash split: no held-out prompt can be drawn for training.
         seed = recipe["seed"]
@@ -93,9 +92,7 @@ def load_rows(recipe: dict[str, Any]) -> tuple[list[dict], list[dict]]:
             dataset(recipe["task"], recipe["train_size"], seed, split="train"),
             dataset(recipe["task"], recipe["eval_size"], seed + 1, split="heldout"),
         )
-    if not recipe["dataset"]:
-        raise ValueError("task: a recipe needs a built-in task or a dataset")
-    data = _load_data(recipe)
+    data = _load_data(recipe)  # a checked recipe has a task or a dataset
     columns = {"prompt": recipe["prompt_column"], "answer": recipe["answer_column"]}
     missing = [c for c in columns.values() if c not in data.column_names]
     if missing:

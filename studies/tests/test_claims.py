@@ -81,7 +81,7 @@ def _walk_result() -> dict:
 def test_comparison_rows_state_intervals_rule_and_horizon() -> None:
     first, second = comparison_rows(_walk_result(), "walk")
     claim, measured, verdict, command = first
-    assert claim == "claim OTB vs GRPO, N=4" and command == "`otbrl compare walk`"
+    assert claim == "claim OTB vs GRPO, N=4" and command == "`python -m studies compare walk`"
     assert "within-group length CV 0.53" in measured and "energy CV 1.10" in measured
     assert "held-out reward @100k: +0.030 [+0.010, +0.050] (n=5)" in measured
     assert (
@@ -265,4 +265,4 @@ def test_the_shipped_readme_states_what_claims_md_states() -> None:
     root = Path(__file__).resolve().parents[2]
     readme, page = root / "README.md", root / "docs" / "results" / "claims.md"
     section = readme.read_text().split(BEGIN)[1].split(END)[0].strip()
-    assert section == readme_block(page, readme), "run `otbrl claims --readme README.md`"
+    assert section == readme_block(page, readme), "run `python -m studies claims --readme README.md`"

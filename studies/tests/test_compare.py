@@ -1,5 +1,5 @@
-"""otbrl compare: the analysis on synthetic runs with known answers, experiment-file errors, and every
-packaged experiment's --quick mode end to end (what CI runs to keep the code path alive)."""
+"""`python -m studies compare`: the analysis on synthetic runs with known answers, experiment-file
+errors, and every packaged experiment's --quick mode end to end (what CI runs to keep the code path alive)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""otbrl variance and its parts (variance, gradstats, variance_page): batch gradients and exact norms
-against per-token float64 autograd on left-padded rollouts, the Gram-matrix statistics against direct
-formulas, and `otbrl variance --quick` end to end."""
+"""`python -m studies variance` and its parts (variance, gradstats, variance_page): batch gradients and exact
+norms against per-token float64 autograd on left-padded rollouts, the Gram-matrix statistics against direct
+formulas, and `python -m studies variance --quick` end to end."""
 
 from __future__ import annotations
 

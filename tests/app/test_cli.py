@@ -70,7 +70,14 @@ def test_dataset_without_answer_column_fails_before_training(tmp_path):
         "".join(json.dumps({"prompt": f"{i}+1=", "solution": str(i + 1)}) + "\n" for i in range(20))
     )
     recipe = load_recipe(
-        "demo", {"task": None, "dataset": str(data), "reward": "numeric", "output_dir": str(tmp_path)}
+        "demo",
+        {
+            "task": None,
+            "dataset": str(data),
+            "reward": "numeric",
+            "model": "random:tiny",
+            "output_dir": str(tmp_path),
+        },
     )
     with pytest.raises(ValueError, match=r"dataset: rows lack column 'answer' \(columns: prompt, solution\)"):
         load_rows(recipe)
@@ -139,7 +146,7 @@ def test_the_step_zero_score_is_sampled_where_training_samples(tmp_path, monkeyp
 
 
 def fast_args(out) -> list[str]:
-    """FAST as command-line overrides (as `otbrl compare` passes them: JSON for lists, booleans)."""
+    """FAST as command-line overrides (as `studies compare` passes them: JSON for lists, booleans)."""
     pairs = {**FAST, "output_dir": str(out)}.items()
     return [x for k, v in pairs for x in (f"--{k}", v if isinstance(v, str) else json.dumps(v))]
 

@@ -76,7 +76,7 @@ def test_the_libraries_yaml_readers_get_recipe_values_wrong(tmp_path):
     _, config = HfArgumentParser([RecipeKeys, OTBGRPOConfig]).parse_yaml_file(str(path))
     assert config.learning_rate == "1e-4"
     recipe = tmp_path / "ours.yaml"
-    recipe.write_text("save_strategy: no\nlearning_rate: 1e-4\n")
+    recipe.write_text("task: running_sum16\nsave_strategy: no\nlearning_rate: 1e-4\n")
     typed = load_recipe(str(recipe))
     assert typed["save_strategy"] == "no" and typed["learning_rate"] == 1e-4
 

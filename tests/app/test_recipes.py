@@ -128,6 +128,8 @@ def test_two_row_dataset_fails_before_the_model(capsys, no_model, tmp_path):
             str(data),
             "--reward",
             "numeric",
+            "--model",
+            "random:tiny",
             "--output_dir",
             str(tmp_path / "o"),
             "--per_device_train_batch_size",
