@@ -666,7 +666,8 @@ def power_plans(exp: Experiment, runs: list[Run], records: Path | None) -> list[
         heldout = {int(b): row["heldout_reward"] for row in d[0] for b in row.get("heldout_budgets", [])}
         by_arm.setdefault(r.arm.rpartition("@")[0], {})[r.seed] = heldout
     out = []
-    for c in exp.comparisons:
+    arms = set(piloted(exp))  # an arm fixed outside the pilot has no pilot data to plan its comparison on
+    for c in (c for c in exp.comparisons if {c["candidate"], c["baseline"]} <= arms):
         budget = int(c.get("primary", c.get("budgets", [0])[-1]))
         budgets = [int(b) for b in c.get("budgets", [])]
         base_budgets = [int(b) for b in c.get("baseline_budgets", budgets)]
