@@ -44,6 +44,8 @@ def _active(name: str, value: Any) -> bool:
     `_get_logits_processor` and `_prepare_generation_config`); unknown settings: anything but None."""
     if value is None:
         return False
+    if isinstance(value, list | tuple | dict):  # token lists and biases: an empty one does nothing
+        return len(value) > 0
     if name in ("guidance_scale", "encoder_repetition_penalty"):
         return value != 1
     if name in ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "min_length", "min_new_tokens"):
