@@ -16,7 +16,7 @@ from otbrl.stability import LengthSurgeDecay
 
 # Estimator options whose otbrl default gives another number than TRL's own computation: through the
 # adapter an estimator takes TRL's value unless `estimator_options` sets it. grpo divides by the group std
-# plus eps: TRL uses 1e-4, the core 1e-6 (rewards [1, 1, 1, 1 + 1e-5]: TRL 0.0707..., the core's 1.25).
+# plus eps: TRL uses 1e-4, the core 1e-6 (rewards [1, 1, 1, 1 + 1e-5]: TRL 0.0715, the core's 1.25).
 # dr_grpo and rloo have no such constant (TRL's scale_rewards="none" and RLOOTrainer compute the same).
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"eps": 1e-4}}
 
