@@ -5,13 +5,16 @@
 
 from otbrl.rollout.evaluate import evaluate
 from otbrl.rollout.multiturn import ToolRollouts, resolve_tools, sample_texts, sample_with_tools
-from otbrl.rollout.sampler import Samples, decode, sample
+from otbrl.rollout.sampler import Samples, SamplingSettings, decode, eos_token_ids, float32_head, sample
 
 __all__ = [
     "Samples",
+    "SamplingSettings",
     "ToolRollouts",
     "decode",
+    "eos_token_ids",
     "evaluate",
+    "float32_head",
     "resolve_tools",
     "sample",
     "sample_texts",

@@ -12,14 +12,14 @@ the rollout never fails because of a tool.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from otbrl.rollout.sampler import decode, sample
+from otbrl.rollout.sampler import STOP, SamplingSettings, decode, eos_token_ids, sample
 from otbrl.tools import calculator, run_python
 
 Tool = Callable[[str], str]
@@ -109,17 +109,24 @@ def sample_with_tools(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     workers: int = 4,
+    *,
+    sampling: SamplingSettings | None = None,
+    eos_ids: Sequence[int] | None = None,
+    head_in_float32: bool = False,
 ) -> ToolRollouts:
     """One completion per prompt (repeat prompts for groups), with tool calls executed between turns.
     Every turn re-reads each unfinished row's whole context (prompt, its tokens, tool output) and samples
-    with a KV cache until eos, the end of its token budget, or a closed tool call."""
+    with a KV cache until an eos id (`eos_ids`, by default `eos_token_ids(model, tokenizer)`), a stop
+    string of `sampling`, the end of its token budget, or a closed tool call. Tokens are drawn with
+    `sampling`'s processors over the whole context, as `generate` would draw them from it."""
     if max_turns < 0:
         raise ValueError(f"max_turns: must be >= 0, got {max_turns}")
     vocab = tokenizer.get_vocab()
     missing = [c for c in "()" + OUTPUT_START + OUTPUT_END if c not in vocab]
     if missing:
         raise ValueError(f"tokenizer: needs single tokens for {missing}, the tool-call syntax")
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id
+    eos = list(eos_ids) if eos_ids is not None else eos_token_ids(model, tokenizer)
     device = model.device
     rows = len(prompt_ids)
     completion: list[list[int]] = [[] for _ in range(rows)]
@@ -137,8 +144,9 @@ def sample_with_tools(
             can_call = torch.tensor([calls[r] < max_turns for r in running], device=device)
             stop = _CallCloser(vocab["("], vocab[")"], can_call)
             new, new_mask, new_logp, why, new_energy = decode(
-                model, ids, attn, budget, temperature, eos_id, pad_id, generator=generator, stop=stop
-            )
+                model, ids, attn, budget, temperature, eos, pad_id, generator=generator, stop=stop,
+                sampling=sampling, tokenizer=tokenizer, head_in_float32=head_in_float32,
+            )  # fmt: skip
             pending = []
             for j, r in enumerate(running):
                 n = int(new_mask[j].sum())
@@ -146,7 +154,7 @@ def sample_with_tools(
                 mask[r] += [1] * n
                 logps[r] += new_logp[j, :n].tolist()
                 energy[r] += new_energy[j, :n].tolist()
-                if int(why[j]) == 2:  # paused at a closed call: is it a tool call?
+                if int(why[j]) == STOP:  # paused at a closed call: is it a tool call?
                     text = tokenizer.decode(completion[r], skip_special_tokens=True)
                     call = find_call(text, tools)
                     pending.append((r, call))

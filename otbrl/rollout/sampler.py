@@ -2,19 +2,147 @@
 and the energy of the sampled tokens, both from the logits each token was sampled from: the rollouts an
 RL step needs, with the layout TRL uses (each prompt's samples are consecutive rows), and no second
 forward to score them.
+
+A token is drawn as transformers' `generate` draws it: the settings of `SamplingSettings` (repetition
+penalty, top-k, top-p, min-p) go through transformers' own logits processors, in the order `generate`
+builds them, and a row ends where `generate` ends it: at any of the model's eos ids (`eos_token_ids`: the
+generation config's and the tokenizer's, TRL's rule), at a stop string, or at its token budget. The
+log-prob and the energy of each token stay those of softmax(z / T), without the filters: the policy a
+trainer's loss differentiates (TRL's log-probs are the same).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    StopStringCriteria,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from otbrl import lm
 from otbrl.energy import token_energy
+
+# Why a row ended (`Decoded.reason`)
+EOS, BUDGET, STOP, STOP_STRING = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How each token is drawn beyond the temperature, each field with `generate`'s meaning (None: off).
+
+    top_k               keep the k most likely tokens (0: all)
+    top_p               keep the fewest most likely tokens whose probability reaches top_p (1: all)
+    min_p               keep the tokens at least min_p times as likely as the most likely one
+    repetition_penalty  tokens already in the row (the prompt's real tokens and the generated ones) have
+                        their logit divided by it when positive, multiplied when negative (1: off)
+    stop_strings        a row ends with the token that completes one of them (the token is kept)
+
+    `processors` builds them with transformers' own classes, so a token is drawn exactly as `generate`
+    would draw it with the same settings; the energy and log-probs do not see them.
+    """
+
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        k, p, m, r = self.top_k, self.top_p, self.min_p, self.repetition_penalty
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ValueError(f"top_k: must be an integer >= 0 (0: off), got {k!r}")
+        if p is not None and not (_real(p) and 0 < p <= 1):
+            raise ValueError(f"top_p: must be a number in (0, 1] (1: off), got {p!r}")
+        if m is not None and not (_real(m) and 0 <= m <= 1):
+            raise ValueError(f"min_p: must be a number in [0, 1], got {m!r}")
+        if r is not None and not (_real(r) and r > 0):
+            raise ValueError(f"repetition_penalty: must be a number > 0 (1: off), got {r!r}")
+        strings = self.stop_strings
+        strings = (strings,) if isinstance(strings, str) else tuple(strings or ())
+        if not all(isinstance(x, str) and x for x in strings):
+            raise ValueError(f"stop_strings: must be non-empty strings, got {self.stop_strings!r}")
+        object.__setattr__(self, "stop_strings", strings)
+
+    def processors(self, temperature: float, prompt_mask: torch.Tensor) -> LogitsProcessorList:
+        """transformers' logits processors for these settings, in the order `generate` builds them
+        (`GenerationMixin._get_logits_processor`): the repetition penalty, then, when sampling
+        (temperature > 0), temperature, top-k, top-p and min-p. `prompt_mask` (B, P) is the left-padded
+        prompt's attention mask: as in `generate`, the padding is not penalised."""
+        out = LogitsProcessorList()
+        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
+            kwargs: dict[str, Any] = {}
+            if "prompt_ignore_length" in inspect.signature(RepetitionPenaltyLogitsProcessor).parameters:
+                kwargs["prompt_ignore_length"] = (prompt_mask != 0).int().argmax(dim=1)
+            out.append(RepetitionPenaltyLogitsProcessor(float(self.repetition_penalty), **kwargs))
+        if temperature == 0:  # greedy: generate applies no warper without do_sample
+            return out
+        if temperature != 1.0:
+            out.append(TemperatureLogitsWarper(float(temperature)))
+        if self.top_k:
+            out.append(TopKLogitsWarper(top_k=self.top_k, min_tokens_to_keep=1))
+        if self.top_p is not None and self.top_p < 1.0:
+            out.append(TopPLogitsWarper(top_p=float(self.top_p), min_tokens_to_keep=1))
+        if self.min_p is not None:
+            out.append(MinPLogitsWarper(min_p=float(self.min_p), min_tokens_to_keep=1))
+        return out
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def eos_token_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every id that ends a completion: the model's `generation_config.eos_token_id` (an id or a list;
+    chat models often declare several, e.g. an end-of-turn token) and the tokenizer's eos id, first. The
+    rule TRL's GRPOTrainer and `generate` follow."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    first = tokenizer.eos_token_id
+    if first is not None and first not in ids:
+        ids = [first, *ids]
+    if not ids:
+        raise ValueError("tokenizer: no eos id, in the tokenizer or in the model's generation config")
+    return [int(i) for i in ids]
+
+
+@contextmanager
+def float32_head(model: Any) -> Iterator[None]:
+    """Run the model's output head in float32, outside autocast, inside the block (TRL's
+    `cast_lm_head_to_fp32`: hidden states and weights cast to float32), then restore it. Under bf16
+    autocast the head would otherwise run in bf16, and the logits a token is sampled from, its log-prob
+    and its energy would not be those of the float32 head TRL's loss uses."""
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ValueError("model: its output head has no weight that could run in float32")
+    own = head.__dict__.get("forward")  # an instance-level forward (TRL's own cast) to put back
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        bias = getattr(head, "bias", None)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return F.linear(hidden.float(), head.weight.float(), None if bias is None else bias.float())
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
 
 
 @dataclass
@@ -61,8 +189,8 @@ class Samples:
 
 class Decoded(NamedTuple):
     """What `decode` returns: completion_ids (B, T) padded with pad, completion_mask (B, T), logprobs
-    (B, T), reason (B,) why each row ended (0 eos, 1 budget, 2 stop) and energy (B, T); logprobs and
-    energy are float32 and 0 where the mask is 0."""
+    (B, T), reason (B,) why each row ended (EOS 0, BUDGET 1, STOP 2: the `stop` callable, STOP_STRING 3)
+    and energy (B, T); logprobs and energy are float32 and 0 where the mask is 0."""
 
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
@@ -80,10 +208,12 @@ def sample(
     max_new_tokens: int,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    sampling: SamplingSettings | None = None,
 ) -> Samples:
     """Sample `num_samples` completions of each prompt, at most `max_new_tokens` tokens each (eos
     included). `temperature == 0` decodes greedily and reports log-probs and energy at temperature 1.
-    Rows stop at eos; the loop ends when every row has. `generator` (on the model's device) makes it
+    Rows stop at any eos id of the model and the tokenizer (`eos_token_ids`) or a stop string of
+    `sampling`; the loop ends when every row has. `generator` (on the model's device) makes it
     reproducible."""
     if num_samples < 1 or max_new_tokens < 1:
         raise ValueError("num_samples and max_new_tokens must be >= 1")
@@ -95,15 +225,9 @@ def sample(
     prompt_mask = enc["attention_mask"].to(device).repeat_interleave(num_samples, dim=0)  # (B, P)
     group_ids = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)  # (B,)
     out = decode(
-        model,
-        prompt_ids,
-        prompt_mask,
-        max_new_tokens,
-        temperature,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        generator=generator,
-    )
+        model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_ids(model, tokenizer),
+        tokenizer.pad_token_id, generator=generator, sampling=sampling, tokenizer=tokenizer,
+    )  # fmt: skip
     return Samples(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -123,19 +247,60 @@ def decode(
     prompt_mask: torch.Tensor,
     max_new_tokens: int | torch.Tensor,
     temperature: float,
-    eos_id: int,
+    eos_id: int | Sequence[int],
     pad_id: int,
     generator: torch.Generator | None = None,
     stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    *,
+    sampling: SamplingSettings | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    head_in_float32: bool = False,
 ) -> Decoded:
-    """The KV-cache sampling loop on left-padded ids (B, P). A row ends at eos, after its own budget
-    (`max_new_tokens`, an int or a (B,) tensor), or when `stop(tokens (B,)) -> (B,) bool` says so (called
-    once per step with the tokens just sampled; it may keep state). Returns a `Decoded`: the tokens, their
-    mask, and each token's log-prob and energy from the very logits it was sampled from (the model's own,
-    so any soft-capping or logit scale is in them), at `temperature` (1 when decoding greedily)."""
+    """The KV-cache sampling loop on left-padded ids (B, P). A row ends at any id of `eos_id` (one id or
+    several: pass `eos_token_ids(model, tokenizer)` to end where `generate` ends), after its own budget
+    (`max_new_tokens`, an int or a (B,) tensor), at a stop string of `sampling` (which needs the
+    `tokenizer`), or when `stop(tokens (B,)) -> (B,) bool` says so (called once per step with the tokens
+    just sampled; it may keep state). Each token is drawn from the logits after `sampling`'s processors
+    (`SamplingSettings.processors`), as `generate` draws it; `head_in_float32` runs the output head in
+    float32 outside autocast (`float32_head`). Returns a `Decoded`: the tokens, their mask, and each
+    token's log-prob and energy under softmax(z / T) of the very logits it was sampled from (the model's
+    own, so any soft-capping or logit scale is in them; the processors' filters are not), at
+    `temperature` (1 when decoding greedily)."""
     device = prompt_ids.device
     batch = prompt_ids.shape[0]
+    settings = sampling if sampling is not None else SamplingSettings()
+    eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=device)
+    if eos.numel() == 0:
+        raise ValueError("eos_id: needs at least one id")
+    if settings.stop_strings and tokenizer is None:
+        raise ValueError("tokenizer: needed to find the stop strings of `sampling`")
+    strings = StopStringCriteria(tokenizer, list(settings.stop_strings)) if settings.stop_strings else None
+    processors = settings.processors(temperature, prompt_mask)
     budget = torch.as_tensor(max_new_tokens, device=device).expand(batch)
+    with float32_head(model) if head_in_float32 else nullcontext():
+        return _loop(
+            model, prompt_ids, prompt_mask, budget, temperature, eos, pad_id, generator, stop, processors,
+            strings,
+        )  # fmt: skip
+
+
+def _loop(
+    model: Any,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    budget: torch.Tensor,
+    temperature: float,
+    eos: torch.Tensor,
+    pad_id: int,
+    generator: torch.Generator | None,
+    stop: Callable[[torch.Tensor], torch.Tensor] | None,
+    processors: LogitsProcessorList,
+    strings: StopStringCriteria | None,
+) -> Decoded:
+    """`decode`'s loop, each step as `generate`'s sampling step: processors over the whole row so far
+    (prompt, then generated tokens; pad after a row's end), then a draw from softmax of the result."""
+    device = prompt_ids.device
+    batch = prompt_ids.shape[0]
     attention_mask = prompt_mask
     positions = lm.positions(prompt_mask)  # left padding: first real token at 0
     cache = DynamicCache(config=model.config)
@@ -149,26 +314,33 @@ def decode(
     )
     next_pos = positions[:, -1:] + 1  # (B, 1)
 
+    rows = prompt_ids  # (B, P + steps so far): what the processors and stop strings read
     tokens, logps, masks, energies = [], [], [], []
     done = budget <= 0
-    reason = torch.ones(batch, dtype=torch.long, device=device)
+    reason = torch.full((batch,), BUDGET, dtype=torch.long, device=device)
     for step in range(int(budget.max().item()) if batch else 0):
         logits = out.logits[:, -1].float()  # (B, V)
         logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        scores = processors(rows, logits.clone()) if processors else logits
         if temperature == 0:
-            tok = logits.argmax(-1)
+            tok = scores.argmax(-1)
         else:
-            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            tok = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(-1)
         live = ~done
         tok = torch.where(live, tok, pad_id)
+        rows = torch.cat([rows, tok[:, None]], dim=1)
         tokens.append(tok)
         logps.append(torch.where(live, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0))
         energies.append(torch.where(live, token_energy(logits, tok, temperature or 1.0), 0.0))
         masks.append(live.long())
-        ended_eos = live & (tok == eos_id)
-        ended_stop = live & ~ended_eos & stop(tok) if stop is not None else torch.zeros_like(live)
-        reason = torch.where(ended_eos, 0, torch.where(ended_stop, 2, reason))
-        done = done | ended_eos | ended_stop | (budget <= step + 1)
+        ended_eos = live & torch.isin(tok, eos)
+        string = strings(rows, scores).to(device) if strings is not None else torch.zeros_like(live)
+        ended_string = live & ~ended_eos & string
+        paused = stop(tok) if stop is not None else torch.zeros_like(live)  # every step: it keeps state
+        ended_stop = live & ~ended_eos & ~ended_string & paused
+        reason = torch.where(ended_eos, EOS, reason)
+        reason = torch.where(ended_string, STOP_STRING, torch.where(ended_stop, STOP, reason))
+        done = done | ended_eos | ended_string | ended_stop | (budget <= step + 1)
         if bool(done.all()):
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)

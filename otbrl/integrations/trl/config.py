@@ -14,6 +14,12 @@ import otbrl
 from otbrl.estimators import resolve
 from otbrl.stability import LengthSurgeDecay
 
+# Estimator options whose otbrl default gives another number than TRL's own computation: through the
+# adapter an estimator takes TRL's value unless `estimator_options` sets it. grpo divides by the group std
+# plus eps: TRL uses 1e-4, the core 1e-6 (rewards [1, 1, 1, 1 + 1e-5]: TRL 0.0715, the core's 1.25).
+# dr_grpo and rloo have no such constant (TRL's scale_rewards="none" and RLOOTrainer compute the same).
+TRL_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"eps": 1e-4}}
+
 
 @dataclass
 class OTBGRPOConfig(GRPOConfig):
@@ -33,7 +39,9 @@ class OTBGRPOConfig(GRPOConfig):
             The estimator's keyword options, e.g. `{"leave_one_out": true}`; a JSON string is accepted, as
             from a command line. Names and value types are checked by `otbrl.estimators.resolve`, the one
             place of these rules (recipes and verl use it too). `is_weights` is no option: with vLLM
-            generation, TRL's importance-sampling ratios reach the estimator by themselves.
+            generation, TRL's importance-sampling ratios reach the estimator by themselves. Options left
+            unset whose otbrl default would give another number than TRL take TRL's value
+            (`TRL_DEFAULTS`: grpo's `eps` is 1e-4 here, TRL's, against the core's 1e-6).
         energy_from_logits (`bool`, *optional*, defaults to `False`):
             Per-token energy from the model's own logits (tiled over rows), for an output head otbrl does not
             recognise. Otherwise it comes from the sampler, TRL's old-log-prob pass, or hidden states and the

@@ -2,7 +2,14 @@
 (`otbrl.rollout.sample_with_tools`) and returns `env_mask`, which TRL turns into the `tool_mask` that the
 trainer and OTB's generated-token alignment use; `sampler_rollout_func` samples one turn. Both return
 `otb_energy`, each model token's energy from the logits it was sampled from, which OTBGRPOTrainer takes
-instead of scoring the completions again."""
+instead of scoring the completions again.
+
+Both sample as TRL's own generation would with the trainer's settings (`sampling_settings`): the
+temperature, `top_k`, `top_p`, `min_p`, `repetition_penalty` and `stop_strings`, merged with the model's
+generation config as `generate` merges them, drawn through transformers' own logits processors; every eos
+id TRL stops at (`trainer.eos_token_ids`); the output head in float32 with `cast_lm_head_to_fp32`. A
+setting the sampler does not apply is refused when the trainer is built, never silently ignored.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +19,136 @@ from typing import Any
 import torch
 
 from otbrl.rollout.multiturn import Tool, resolve_tools, sample_with_tools
-from otbrl.rollout.sampler import decode
+from otbrl.rollout.sampler import SamplingSettings, decode, eos_token_ids
 
 ENERGY_FIELD = "otb_energy"  # per row, one energy per completion token (0 on tool output)
+SAMPLER_MARK = "otbrl_sampler"  # set on otbrl's rollout functions: OTBGRPOTrainer checks their settings
+WAY_OUT = "generate with TRL instead (recipe `sampler: trl`, i.e. no `rollout_func`)"
+
+# Settings the sampler applies, as SamplingSettings' fields.
+APPLIED = ("top_k", "top_p", "min_p", "repetition_penalty", "stop_strings")
+# generate's own defaults for settings that TRL may leave at None (transformers 4.56 to 5.x): a top_k of
+# None in both TRL's and the model's generation config means 50, not "off".
+GENERATE_DEFAULTS = {"top_k": 50}
+# generation_kwargs that change nothing the sampler draws or returns.
+NEUTRAL = {
+    "pad_token_id", "bos_token_id", "cache_implementation", "cache_config", "disable_compile",
+    "compile_config", "use_cache", "renormalize_logits", "low_memory", "output_scores", "output_logits",
+    "output_attentions", "output_hidden_states", "return_dict_in_generate", "num_return_sequences",
+    "max_length",
+}  # fmt: skip
+
+
+def _active(name: str, value: Any) -> bool:
+    """Whether `generate` does anything with `value` for this setting (its own conditions, transformers'
+    `_get_logits_processor` and `_prepare_generation_config`); unknown settings: anything but None."""
+    if value is None:
+        return False
+    if isinstance(value, list | tuple | dict):  # token lists and biases: an empty one does nothing
+        return len(value) > 0
+    if name in ("guidance_scale", "encoder_repetition_penalty"):
+        return value != 1
+    if name in ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "min_length", "min_new_tokens"):
+        return value > 0
+    if name == "typical_p":
+        return value < 1.0
+    if name in ("epsilon_cutoff", "eta_cutoff"):
+        return 0.0 < value < 1.0
+    if name in ("num_beams", "num_beam_groups"):
+        return value > 1
+    if name == "do_sample":
+        return value is not True
+    if name in ("remove_invalid_values", "diversity_penalty", "penalty_alpha", "token_healing"):
+        return bool(value)
+    return True
+
+
+# Settings `generate` reads from the model's generation config when TRL leaves them unset, and that
+# would change what it draws: the sampler refuses them when they are active.
+NOT_APPLIED = (
+    "guidance_scale", "sequence_bias", "encoder_repetition_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff", "watermarking_config",
+    "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha", "dola_layers", "constraints",
+    "force_words_ids", "token_healing", "max_time", "do_sample",
+)  # fmt: skip
+
+
+def sampling_settings(trainer: Any) -> SamplingSettings:
+    """The sampling settings TRL's own generation would use for this trainer, as `SamplingSettings`:
+    GRPOConfig's `top_k`, `top_p`, `min_p`, `repetition_penalty`, overridden by `generation_kwargs`
+    (TRL's order), each one left at None taken from the model's generation config, then from
+    `generate`'s defaults (the merge `generate` does). Raises a ValueError naming the setting and the
+    way out for one the sampler would not apply: a `generation_kwargs` key it does not know, a
+    `temperature`, `max_new_tokens` or `eos_token_id` there that differs from what TRL's loss and masks
+    use, or an active setting of the model's generation config such as `no_repeat_ngram_size`."""
+    args = trainer.args
+    requested: dict[str, Any] = {
+        "temperature": trainer.temperature,
+        "top_p": getattr(args, "top_p", 1.0),
+        "top_k": getattr(args, "top_k", 0),
+        "min_p": getattr(args, "min_p", None),
+        "repetition_penalty": getattr(args, "repetition_penalty", 1.0),
+        "do_sample": True,
+    }
+    extra = dict(getattr(args, "generation_kwargs", None) or {})
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    tokenizer = trainer.processing_class
+    fixed = {
+        "temperature": trainer.temperature,
+        "max_new_tokens": trainer.max_completion_length,
+        "eos_token_id": _trainer_eos_ids(trainer, model, tokenizer),
+        "do_sample": True,
+    }
+    for key, value in extra.items():
+        if key in fixed:
+            same = sorted(_ids(value)) == sorted(fixed[key]) if key == "eos_token_id" else value == fixed[key]
+            if not same:
+                raise ValueError(
+                    f"generation_kwargs[{key!r}]={value!r}: otbrl's sampler uses {fixed[key]!r}, the value "
+                    f"TRL's loss and masks assume; remove it from generation_kwargs, or {WAY_OUT}"
+                )
+        elif key not in APPLIED and key not in NEUTRAL and (key not in NOT_APPLIED or _active(key, value)):
+            raise ValueError(
+                f"generation_kwargs[{key!r}]={value!r}: otbrl's sampler does not apply this setting "
+                f"(it applies temperature, {', '.join(APPLIED)}); remove it, or {WAY_OUT}"
+            )
+    requested.update(extra)
+    declared = getattr(model, "generation_config", None)
+
+    def effective(name: str) -> tuple[Any, str]:
+        if requested.get(name) is not None:
+            return requested[name], "generation_kwargs" if name in extra else "GRPOConfig"
+        value = getattr(declared, name, None)
+        if value is not None:
+            return value, "the model's generation_config"
+        return GENERATE_DEFAULTS.get(name), "generate's default"
+
+    for name in NOT_APPLIED:
+        value, where = effective(name)
+        if _active(name, value):
+            raise ValueError(
+                f"{name}={value!r} (from {where}, which generate would apply): otbrl's sampler does not "
+                f"apply it; set generation_kwargs={{{name!r}: <a value that turns it off>}} or clear it in "
+                f"model.generation_config, or {WAY_OUT}"
+            )
+    return SamplingSettings(**{name: effective(name)[0] for name in APPLIED})
+
+
+def _ids(value: Any) -> list[int]:
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _trainer_eos_ids(trainer: Any, model: Any, tokenizer: Any) -> list[int]:
+    """The eos ids TRL stops at and masks after (`GRPOTrainer.eos_token_ids`, trl >= 1.16), else the same
+    rule computed here."""
+    ids = getattr(trainer, "eos_token_ids", None)
+    return list(ids) if ids else eos_token_ids(model, tokenizer)
+
+
+def _head_in_float32(trainer: Any) -> bool:
+    return bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
 
 
 def rollout_func(
@@ -29,20 +163,17 @@ def rollout_func(
             raise ValueError("rollout_func: tool rollouts take plain-text prompts, not chat messages")
         tokenizer = trainer.processing_class
         model = trainer.accelerator.unwrap_model(trainer.model)
+        settings = sampling_settings(trainer)
         was_training = model.training
         model.eval()
         try:
             ids = tokenizer(text=prompts, add_special_tokens=False)["input_ids"]
             out = sample_with_tools(
-                model,
-                tokenizer,
-                ids,
-                toolbox,
-                trainer.max_completion_length,
-                max_turns,
-                trainer.temperature,
-                workers=workers,
-            )
+                model, tokenizer, ids, toolbox, trainer.max_completion_length, max_turns,
+                trainer.temperature, workers=workers, sampling=settings,
+                eos_ids=_trainer_eos_ids(trainer, model, tokenizer),
+                head_in_float32=_head_in_float32(trainer),
+            )  # fmt: skip
         finally:
             model.train(was_training)
         return {
@@ -54,6 +185,7 @@ def rollout_func(
             ENERGY_FIELD: out.energy,
         }
 
+    setattr(rollout, SAMPLER_MARK, True)
     return rollout
 
 
@@ -65,6 +197,7 @@ def sampler_rollout_func() -> Callable[[list, Any], dict[str, Any]]:
     def rollout(prompts: list, trainer: Any) -> dict[str, Any]:
         tokenizer = trainer.processing_class
         model = trainer.accelerator.unwrap_model(trainer.model)
+        settings = sampling_settings(trainer)
         kwargs = dict(getattr(trainer.args, "chat_template_kwargs", None) or {})
         ids = [
             tokenizer(text=p, add_special_tokens=False)["input_ids"]
@@ -82,14 +215,10 @@ def sampler_rollout_func() -> Callable[[list, Any], dict[str, Any]]:
         try:
             with trainer.accelerator.autocast():  # the precision the training forward runs in (bf16, ...)
                 out = decode(
-                    model,
-                    padded,
-                    attention,
-                    trainer.max_completion_length,
-                    trainer.temperature,
-                    tokenizer.eos_token_id,
-                    pad,
-                )
+                    model, padded, attention, trainer.max_completion_length, trainer.temperature,
+                    _trainer_eos_ids(trainer, model, tokenizer), pad, sampling=settings, tokenizer=tokenizer,
+                    head_in_float32=_head_in_float32(trainer),
+                )  # fmt: skip
         finally:
             model.train(was_training)
         lengths = out.completion_mask.sum(1).tolist()
@@ -101,4 +230,5 @@ def sampler_rollout_func() -> Callable[[list, Any], dict[str, Any]]:
             ENERGY_FIELD: rows(out.energy),
         }
 
+    setattr(rollout, SAMPLER_MARK, True)
     return rollout

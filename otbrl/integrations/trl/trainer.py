@@ -18,7 +18,10 @@ With vLLM importance-sampling correction, TRL's ratios reach OTB as `is_weights`
 
 Group membership follows TRL's own statistics: a completion that `mask_truncated_completions` keeps out
 of the loss still counts in its group with its reward (its tokens get no loss); a completion no reward
-function scored, or one whose reward failed, belongs to no group.
+function scored, or one whose reward failed, belongs to no group; a group left with fewer than two scored
+completions has no baseline, and every estimator gives its completions zero advantage, as TRL does (their
+tokens stay in TRL's loss mask, as TRL keeps them). Estimator defaults that TRL fixes differently take
+TRL's value unless the user sets the option (`config.TRL_DEFAULTS`: grpo's eps is 1e-4).
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from trl import GRPOTrainer
 
 import otbrl
 from otbrl.integrations.trl.callbacks import LengthDecayCallback, SurgeCallback
-from otbrl.integrations.trl.config import OTBGRPOConfig
+from otbrl.integrations.trl.config import TRL_DEFAULTS, OTBGRPOConfig
 from otbrl.integrations.trl.rewards import GuardedReward
-from otbrl.integrations.trl.rollout import ENERGY_FIELD
+from otbrl.integrations.trl.rollout import ENERGY_FIELD, SAMPLER_MARK, sampling_settings
 from otbrl.integrations.trl.tap import LogSumSqTap
 from otbrl.lm import HeadTransform, base_model, check_head, completion_energy
 from otbrl.stability import batch_diagnostics, group_horizons
@@ -97,6 +100,8 @@ class OTBGRPOTrainer(GRPOTrainer):
         super().__init__(*args, reward_funcs=self._guarded, **kwargs)
         if not isinstance(self.args, OTBGRPOConfig):
             raise ValueError("args: OTBGRPOTrainer needs an OTBGRPOConfig")
+        if getattr(self.rollout_func, SAMPLER_MARK, False):
+            sampling_settings(self)  # at start-up: refuses a setting otbrl's sampler would not apply
         self.add_callback(SurgeCallback(self.args.surge_factor, self.args.surge_window))
         if self.args.length_decay:
             self.add_callback(LengthDecayCallback(**self.args.length_decay_options(), driven=True))
@@ -241,27 +246,32 @@ class OTBGRPOTrainer(GRPOTrainer):
 
     def _global_batch(self, out: dict[str, Any], local: LocalBatch) -> GlobalBatch:
         """Gather every rank's masks and energy; weigh the gathered rewards; take rows that no function
-        scored, or whose reward failed, out of their groups."""
+        scored, or whose reward failed, out of their groups, and the rows of a group left with fewer than
+        two scored rows too: a baseline over one row is undefined, so TRL gives them zero advantage (its
+        GRPO and RLOO turn the NaN of that baseline into 0), and so does every estimator here."""
         mode = "train" if self.model.training else "eval"
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         per_func = self._scoring.rewards_per_func  # (B_global, functions), gathered by TRL
         rewards = (per_func * self.reward_weights.to(per_func.device)[None, :]).nansum(dim=1)
         unscored = torch.isnan(per_func).all(dim=1) | self._scoring.failed.to(per_func.device)
-        mask = self._gather_rows(local.members.int()).bool() & ~unscored[:, None]
+        group_ids = torch.arange(rewards.numel(), device=rewards.device) // group_size
+        scored = torch.zeros(int(group_ids.max()) + 1 if group_ids.numel() else 0, device=rewards.device)
+        scored = scored.index_add_(0, group_ids, (~unscored).float())  # scored rows per group
+        no_baseline = unscored | (scored[group_ids] < 2)
+        mask = self._gather_rows(local.members.int()).bool() & ~no_baseline[:, None]
         energy = local.energy if local.energy is not None else torch.zeros(local.members.shape)
         return GlobalBatch(
-            mask=mask,
-            energy=self._gather_rows(energy.float().to(mask.device)),
-            rewards=rewards.masked_fill(unscored, 0.0),
-            group_ids=torch.arange(rewards.numel(), device=rewards.device) // group_size,
+            mask=mask, energy=self._gather_rows(energy.float().to(mask.device)),
+            rewards=rewards.masked_fill(unscored, 0.0), group_ids=group_ids,
             options=self._estimator_options(out, local),
         )
 
     def _estimator_options(self, out: dict[str, Any], local: LocalBatch) -> dict[str, Any]:
-        """The configured options plus this batch's: generated-token alignment when tool output shifts
-        positions (unless set), and TRL's vLLM importance ratios as (B, T) is_weights, which TRL's loss
-        multiplies in per token, or one per sequence ((B, 1), spread over its tokens)."""
-        options = dict(self.args.estimator_options)
+        """The configured options, TRL's defaults for those left unset (`TRL_DEFAULTS`), and this batch's:
+        generated-token alignment when tool output shifts positions (unless set), and TRL's vLLM
+        importance ratios as (B, T) is_weights, which TRL's loss multiplies in per token, or one per
+        sequence ((B, 1), spread over its tokens)."""
+        options = TRL_DEFAULTS.get(self.args.advantage_estimator, {}) | dict(self.args.estimator_options)
         if "tool_mask" in out and "align" in self._spec.options:
             options.setdefault("align", "generated")
         ratio = out.get("importance_sampling_ratio")
