@@ -144,9 +144,19 @@ def sample_with_tools(
             can_call = torch.tensor([calls[r] < max_turns for r in running], device=device)
             stop = _CallCloser(vocab["("], vocab[")"], can_call)
             new, new_mask, new_logp, why, new_energy = decode(
-                model, ids, attn, budget, temperature, eos, pad_id, generator=generator, stop=stop,
-                sampling=sampling, tokenizer=tokenizer, head_in_float32=head_in_float32,
-            )  # fmt: skip
+                model,
+                ids,
+                attn,
+                budget,
+                temperature,
+                eos,
+                pad_id,
+                generator=generator,
+                stop=stop,
+                sampling=sampling,
+                tokenizer=tokenizer,
+                head_in_float32=head_in_float32,
+            )
             pending = []
             for j, r in enumerate(running):
                 n = int(new_mask[j].sum())

@@ -225,9 +225,17 @@ def sample(
     prompt_mask = enc["attention_mask"].to(device).repeat_interleave(num_samples, dim=0)  # (B, P)
     group_ids = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)  # (B,)
     out = decode(
-        model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_ids(model, tokenizer),
-        tokenizer.pad_token_id, generator=generator, sampling=sampling, tokenizer=tokenizer,
-    )  # fmt: skip
+        model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens,
+        temperature,
+        eos_token_ids(model, tokenizer),
+        tokenizer.pad_token_id,
+        generator=generator,
+        sampling=sampling,
+        tokenizer=tokenizer,
+    )
     return Samples(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -279,9 +287,18 @@ def decode(
     budget = torch.as_tensor(max_new_tokens, device=device).expand(batch)
     with float32_head(model) if head_in_float32 else nullcontext():
         return _loop(
-            model, prompt_ids, prompt_mask, budget, temperature, eos, pad_id, generator, stop, processors,
+            model,
+            prompt_ids,
+            prompt_mask,
+            budget,
+            temperature,
+            eos,
+            pad_id,
+            generator,
+            stop,
+            processors,
             strings,
-        )  # fmt: skip
+        )
 
 
 def _loop(

@@ -53,9 +53,11 @@ class Probe(OTBGRPOTrainer):
     def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
         out = super()._generate_and_score_completions(inputs)
         self.records[-1].update(
-            out=out, advantages=out["advantages"].clone(), energy=self.last_energy.clone(),
+            out=out,
+            advantages=out["advantages"].clone(),
+            energy=self.last_energy.clone(),
             per_func=self._scoring.rewards_per_func.clone(),
-        )  # fmt: skip
+        )
         return out
 
 
@@ -91,9 +93,13 @@ def _one_step(tmp_path, rollout, **overrides) -> tuple[Probe, list[str]]:  # noq
         return [len(c) / 10 for c in completions]
 
     args = make_config(
-        tmp_path, max_steps=1, per_device_train_batch_size=16, max_completion_length=10, learning_rate=0.0,
+        tmp_path,
+        max_steps=1,
+        per_device_train_batch_size=16,
+        max_completion_length=10,
+        learning_rate=0.0,
         **overrides,
-    )  # fmt: skip
+    )
     kwargs = {} if rollout is None else {"rollout_func": rollout}
     trainer = make_trainer(
         args, reward_funcs=reward, model=two_eos_model(), cls=Probe, n_prompts=16, **kwargs
@@ -115,8 +121,9 @@ def test_sampler_draws_trls_completions_and_ends_them_at_the_first_eos(tmp_path,
         assert torch.equal(mine["out"][key], theirs["out"][key]), key
     assert texts == trl_texts
     second = 0
-    for i, (row, keep) in enumerate(zip(mine["out"]["completion_ids"].tolist(),
-                                        mine["out"]["completion_mask"].tolist(), strict=True)):  # fmt: skip
+    for i, (row, keep) in enumerate(
+        zip(mine["out"]["completion_ids"].tolist(), mine["out"]["completion_mask"].tolist(), strict=True)
+    ):
         n = first_end(row)
         assert sum(keep) == n and all(keep[:n])
         assert texts[i] == ours.processing_class.decode(row[:n], skip_special_tokens=True)
@@ -137,8 +144,9 @@ def test_tool_rollout_ends_at_every_eos_id(tmp_path):
     """The multi-turn rollout_func stops at the model's second eos id too."""
     trainer, _ = _one_step(tmp_path, rollout_func(("calc",), max_turns=1, workers=1))
     (record,) = trainer.records
-    for row, keep in zip(record["out"]["completion_ids"].tolist(), record["out"]["completion_mask"].tolist(),
-                         strict=True):  # fmt: skip
+    for row, keep in zip(
+        record["out"]["completion_ids"].tolist(), record["out"]["completion_mask"].tolist(), strict=True
+    ):
         assert sum(keep) == first_end(row)
     assert any(SECOND_EOS in row for row in record["out"]["completion_ids"].tolist())
 
@@ -151,10 +159,14 @@ def _generates_processors(trainer: OTBGRPOTrainer) -> LogitsProcessorList:
     model._prepare_special_tokens(config, device=model.device)
     ids, mask = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
     return model._get_logits_processor(
-        generation_config=config, input_ids_seq_length=3, encoder_input_ids=ids,
-        prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=model.device,
+        generation_config=config,
+        input_ids_seq_length=3,
+        encoder_input_ids=ids,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=LogitsProcessorList(),
+        device=model.device,
         model_kwargs={"attention_mask": mask},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(
@@ -236,7 +248,7 @@ def patterned_reward(kind: str):  # noqa: ANN201
 def _failing_run(tmp_path, estimator: str, kind: str = "nan", **overrides) -> dict:  # noqa: ANN001
     args = make_config(
         tmp_path, max_steps=1, per_device_train_batch_size=16, advantage_estimator=estimator, **overrides
-    )  # fmt: skip
+    )
     trainer = make_trainer(args, reward_funcs=patterned_reward(kind), cls=Probe, n_prompts=16)
     trainer.train()
     (record,) = trainer.records
@@ -280,9 +292,19 @@ def test_lone_scored_row_gets_trls_zero_in_rloo(tmp_path):
 
     base = make_config(tmp_path / "trl", max_steps=1, per_device_train_batch_size=16)
     keys = (
-        "output_dir", "use_cpu", "bf16", "gradient_checkpointing", "report_to", "save_strategy", "max_steps",
-        "per_device_train_batch_size", "num_generations", "max_completion_length", "seed", "disable_tqdm",
-    )  # fmt: skip
+        "output_dir",
+        "use_cpu",
+        "bf16",
+        "gradient_checkpointing",
+        "report_to",
+        "save_strategy",
+        "max_steps",
+        "per_device_train_batch_size",
+        "num_generations",
+        "max_completion_length",
+        "seed",
+        "disable_tqdm",
+    )
     args = RLOOConfig(**{k: getattr(base, k) for k in keys}, beta=0.0, learning_rate=0.0)
     trl = make_trainer(args, reward_funcs=patterned_reward("nan"), cls=RLOOProbe, n_prompts=16)
     trl.train()
@@ -338,9 +360,12 @@ def test_grpo_defaults_to_trls_eps(tmp_path, options, expected):
     (R - mean) / (std + 1e-4) = 0.0715 on the odd row (TRL's advantages, compared directly); the core's
     eps 1e-6, set by hand, gives 1.25."""
     args = make_config(
-        tmp_path, max_steps=1, per_device_train_batch_size=8, advantage_estimator="grpo",
+        tmp_path,
+        max_steps=1,
+        per_device_train_batch_size=8,
+        advantage_estimator="grpo",
         estimator_options=options,
-    )  # fmt: skip
+    )
     trainer = make_trainer(args, reward_funcs=_near_tie, cls=Probe, n_prompts=8)
     trainer.train()
     (record,) = trainer.records

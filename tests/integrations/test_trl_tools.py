@@ -44,9 +44,14 @@ def chat_tokenizer():  # noqa: ANN201
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>",
-        padding_side="left", clean_up_tokenization_spaces=False, model_max_length=4096,
-    )  # fmt: skip
+        tokenizer_object=core,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     markers = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", CALL]
     tokenizer.add_tokens([AddedToken(m, special=False, normalized=False) for m in markers])
@@ -59,10 +64,17 @@ def calling_model(tokenizer, seed: int = 0) -> torch.nn.Module:  # noqa: ANN001
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     head = torch.nn.Linear(32, len(tokenizer), bias=True)
@@ -138,9 +150,15 @@ class Probe(OTBGRPOTrainer):
         )
         rewards = (self._scoring.rewards_per_func * self.reward_weights[None, :]).nansum(dim=1)
         self.records.append(
-            {"out": out, "rewards": rewards.double(), "energy": self.last_energy.clone(),
-             "advantages": out["advantages"].clone(), "reference": reference, "source": self.energy_source}
-        )  # fmt: skip
+            {
+                "out": out,
+                "rewards": rewards.double(),
+                "energy": self.last_energy.clone(),
+                "advantages": out["advantages"].clone(),
+                "reference": reference,
+                "source": self.energy_source,
+            }
+        )
         return out
 
 
@@ -148,14 +166,24 @@ def _train(tmp_path, num_iterations: int, **kwargs) -> Probe:  # noqa: ANN001, A
     tokenizer = chat_tokenizer()
     rows = [{"prompt": [{"role": "user", "content": f"What is 3 times {4 + i}?"}]} for i in range(4)]
     args = make_config(
-        tmp_path, max_steps=1, per_device_train_batch_size=16, num_generations=GROUP,
-        max_completion_length=64, temperature=TEMPERATURE, advantage_estimator="otb",
-        num_iterations=num_iterations, max_tool_calling_iterations=2, learning_rate=1e-3,
-    )  # fmt: skip
+        tmp_path,
+        max_steps=1,
+        per_device_train_batch_size=16,
+        num_generations=GROUP,
+        max_completion_length=64,
+        temperature=TEMPERATURE,
+        advantage_estimator="otb",
+        num_iterations=num_iterations,
+        max_tool_calling_iterations=2,
+        learning_rate=1e-3,
+    )
     trainer = Probe(
-        model=calling_model(tokenizer), args=args, train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer, **kwargs,
-    )  # fmt: skip
+        model=calling_model(tokenizer),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        **kwargs,
+    )
     trainer.train()
     return trainer
 

@@ -23,9 +23,19 @@ from otbrl.integrations.trl import ACCEPTED_TRL, TESTED_TRL, _check_trl_version 
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONS = [
-    "1.15.0", "1.15.9", "1.16.0rc1", "1.16.0", "1.16.3", "1.17.0", "1.17.2", "1.18.0", "1.99.1", "2.0.0.dev1",
-    "2.0.0", "2.1.0",
-]  # fmt: skip
+    "1.15.0",
+    "1.15.9",
+    "1.16.0rc1",
+    "1.16.0",
+    "1.16.3",
+    "1.17.0",
+    "1.17.2",
+    "1.18.0",
+    "1.99.1",
+    "2.0.0.dev1",
+    "2.0.0",
+    "2.1.0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +51,13 @@ def trl_requirement(tmp_path_factory: pytest.TempPathFactory) -> Requirement:
     code = "import sys\nfrom setuptools import build_meta\n"
     code += "print(build_meta.prepare_metadata_for_build_wheel(sys.argv[1]))"
     done = subprocess.run(
-        [sys.executable, "-c", code, str(src / "out")], cwd=src, check=True, capture_output=True, text=True,
+        [sys.executable, "-c", code, str(src / "out")],
+        cwd=src,
+        check=True,
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     info = done.stdout.strip().splitlines()[-1]
     metadata = Parser().parsestr((src / "out" / info / "METADATA").read_text())
     found = []

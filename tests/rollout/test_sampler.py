@@ -69,10 +69,17 @@ def prompts(rows: int, width: int = 6, seed: int = 0) -> tuple[torch.Tensor, tor
 def generate(model, ids, mask, new: int, temperature: float, eos, seed: int, **settings):  # noqa: ANN001, ANN201
     """transformers' `generate` as TRL calls it (do_sample, its eos ids, its pad), seeded; new tokens only."""
     config = GenerationConfig(
-        do_sample=True, max_new_tokens=new, temperature=temperature, eos_token_id=eos, pad_token_id=PAD,
-        top_k=settings.get("top_k", 0), top_p=settings.get("top_p", 1.0), min_p=settings.get("min_p"),
-        repetition_penalty=settings.get("repetition_penalty", 1.0), stop_strings=settings.get("stop_strings"),
-    )  # fmt: skip
+        do_sample=True,
+        max_new_tokens=new,
+        temperature=temperature,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+        top_k=settings.get("top_k", 0),
+        top_p=settings.get("top_p", 1.0),
+        min_p=settings.get("min_p"),
+        repetition_penalty=settings.get("repetition_penalty", 1.0),
+        stop_strings=settings.get("stop_strings"),
+    )
     torch.manual_seed(seed)
     extra = {"tokenizer": TOK} if settings.get("stop_strings") else {}
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **extra)
@@ -209,18 +216,27 @@ def test_top_k_1_is_greedy_whatever_the_seed():
 def _generates_processors(model, ids, mask, temperature: float, **settings) -> LogitsProcessorList:  # noqa: ANN001
     """The processors `generate` itself builds for these settings (transformers' private builder)."""
     config = GenerationConfig(
-        do_sample=True, temperature=temperature, top_k=settings.get("top_k", 0),
-        top_p=settings.get("top_p", 1.0), min_p=settings.get("min_p"),
-        repetition_penalty=settings.get("repetition_penalty", 1.0), max_new_tokens=1, pad_token_id=PAD,
+        do_sample=True,
+        temperature=temperature,
+        top_k=settings.get("top_k", 0),
+        top_p=settings.get("top_p", 1.0),
+        min_p=settings.get("min_p"),
+        repetition_penalty=settings.get("repetition_penalty", 1.0),
+        max_new_tokens=1,
+        pad_token_id=PAD,
         eos_token_id=FIRST_EOS,
-    )  # fmt: skip
+    )
     config, _ = model._prepare_generation_config(config)
     model._prepare_special_tokens(config, device=ids.device)
     return model._get_logits_processor(
-        generation_config=config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
-        prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=ids.device,
+        generation_config=config,
+        input_ids_seq_length=ids.shape[1],
+        encoder_input_ids=ids,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=LogitsProcessorList(),
+        device=ids.device,
         model_kwargs={"attention_mask": mask},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
@@ -267,8 +283,10 @@ def test_first_token_distribution_is_generates(name):
     settings = SETTINGS[name]
     with torch.no_grad():
         logits = model(input_ids=prompt).logits[:, -1].float()
-    target = torch.softmax(_generates_processors(model, prompt, mask[:1], temperature, **settings)(
-        prompt, logits.clone()), dim=-1)[0]  # fmt: skip
+    target = torch.softmax(
+        _generates_processors(model, prompt, mask[:1], temperature, **settings)(prompt, logits.clone()),
+        dim=-1,
+    )[0]
     plain = torch.softmax(logits / temperature, dim=-1)[0]
     gen = torch.Generator().manual_seed(123)
     ours = decode(
@@ -360,10 +378,14 @@ def test_float32_head_under_bf16_autocast():
 
 def test_settings_are_checked():
     for kwargs, name in [
-        ({"top_k": -1}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"top_p": 0.0}, "top_p"),
-        ({"top_p": 1.5}, "top_p"), ({"min_p": -0.1}, "min_p"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"stop_strings": ("",)}, "stop_strings"),
-    ]:  # fmt: skip
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"stop_strings": ("",)}, "stop_strings"),
+    ]:
         with pytest.raises(ValueError, match=f"^{name}:"):
             SamplingSettings(**kwargs)
     assert SamplingSettings(stop_strings="ab").stop_strings == ("ab",)

@@ -32,11 +32,23 @@ APPLIED = ("top_k", "top_p", "min_p", "repetition_penalty", "stop_strings")
 GENERATE_DEFAULTS = {"top_k": 50}
 # generation_kwargs that change nothing the sampler draws or returns.
 NEUTRAL = {
-    "pad_token_id", "bos_token_id", "cache_implementation", "cache_config", "disable_compile",
-    "compile_config", "use_cache", "renormalize_logits", "low_memory", "output_scores", "output_logits",
-    "output_attentions", "output_hidden_states", "return_dict_in_generate", "num_return_sequences",
+    "pad_token_id",
+    "bos_token_id",
+    "cache_implementation",
+    "cache_config",
+    "disable_compile",
+    "compile_config",
+    "use_cache",
+    "renormalize_logits",
+    "low_memory",
+    "output_scores",
+    "output_logits",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict_in_generate",
+    "num_return_sequences",
     "max_length",
-}  # fmt: skip
+}
 
 
 def _active(name: str, value: Any) -> bool:
@@ -66,13 +78,36 @@ def _active(name: str, value: Any) -> bool:
 # Settings `generate` reads from the model's generation config when TRL leaves them unset, and that
 # would change what it draws: the sampler refuses them when they are active.
 NOT_APPLIED = (
-    "guidance_scale", "sequence_bias", "encoder_repetition_penalty", "no_repeat_ngram_size",
-    "encoder_no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
-    "begin_suppress_tokens", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff", "watermarking_config",
-    "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha", "dola_layers", "constraints",
-    "force_words_ids", "token_healing", "max_time", "do_sample",
-)  # fmt: skip
+    "guidance_scale",
+    "sequence_bias",
+    "encoder_repetition_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "min_length",
+    "min_new_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "top_h",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "watermarking_config",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "penalty_alpha",
+    "dola_layers",
+    "constraints",
+    "force_words_ids",
+    "token_healing",
+    "max_time",
+    "do_sample",
+)
 
 
 def sampling_settings(trainer: Any) -> SamplingSettings:
@@ -169,11 +204,18 @@ def rollout_func(
         try:
             ids = tokenizer(text=prompts, add_special_tokens=False)["input_ids"]
             out = sample_with_tools(
-                model, tokenizer, ids, toolbox, trainer.max_completion_length, max_turns,
-                trainer.temperature, workers=workers, sampling=settings,
+                model,
+                tokenizer,
+                ids,
+                toolbox,
+                trainer.max_completion_length,
+                max_turns,
+                trainer.temperature,
+                workers=workers,
+                sampling=settings,
                 eos_ids=_trainer_eos_ids(trainer, model, tokenizer),
                 head_in_float32=_head_in_float32(trainer),
-            )  # fmt: skip
+            )
         finally:
             model.train(was_training)
         return {
@@ -215,10 +257,17 @@ def sampler_rollout_func() -> Callable[[list, Any], dict[str, Any]]:
         try:
             with trainer.accelerator.autocast():  # the precision the training forward runs in (bf16, ...)
                 out = decode(
-                    model, padded, attention, trainer.max_completion_length, trainer.temperature,
-                    _trainer_eos_ids(trainer, model, tokenizer), pad, sampling=settings, tokenizer=tokenizer,
+                    model,
+                    padded,
+                    attention,
+                    trainer.max_completion_length,
+                    trainer.temperature,
+                    _trainer_eos_ids(trainer, model, tokenizer),
+                    pad,
+                    sampling=settings,
+                    tokenizer=tokenizer,
                     head_in_float32=_head_in_float32(trainer),
-                )  # fmt: skip
+                )
         finally:
             model.train(was_training)
         lengths = out.completion_mask.sum(1).tolist()

@@ -261,8 +261,10 @@ class OTBGRPOTrainer(GRPOTrainer):
         mask = self._gather_rows(local.members.int()).bool() & ~no_baseline[:, None]
         energy = local.energy if local.energy is not None else torch.zeros(local.members.shape)
         return GlobalBatch(
-            mask=mask, energy=self._gather_rows(energy.float().to(mask.device)),
-            rewards=rewards.masked_fill(unscored, 0.0), group_ids=group_ids,
+            mask=mask,
+            energy=self._gather_rows(energy.float().to(mask.device)),
+            rewards=rewards.masked_fill(unscored, 0.0),
+            group_ids=group_ids,
             options=self._estimator_options(out, local),
         )
 
