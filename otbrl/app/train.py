@@ -139,6 +139,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
                 recipe["seed"],
                 tools,
                 max_turns,
+                progress=not config.disable_tqdm,
             )
 
     trainer = OTBGRPOTrainer(
@@ -164,6 +165,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
             "reward": recipe["reward"],
             "task": recipe["task"],
         }
+        log(f"held-out evaluation before training: {len(eval_rows)} prompts")
         folder = cache_folder()
         key = before_key(model, tokenizer, eval_rows, settings) if folder is not None else ""
         before, reused = cached_score(folder, key, evaluate_now)

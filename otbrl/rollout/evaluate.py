@@ -24,15 +24,36 @@ def evaluate(
     seed: int = 0,
     tools: Sequence[str] | Mapping[str, Tool] = (),
     max_turns: int = 0,
+    progress: bool = False,
 ) -> float:
     """Mean of `score` over one completion per row ({"prompt", "answer"}), sampled at `temperature`
-    (reproducible given `seed`), with tool calls between turns when `tools` names any. Leaves the model
-    in eval mode."""
+    (reproducible given `seed`), with tool calls between turns when `tools` names any. `progress`: a bar
+    over the decoding steps (at most `max_new_tokens`; the same numbers with or without it). Leaves the
+    model in eval mode."""
     if not rows:
         raise ValueError("rows: nothing to evaluate")
     model.eval()
     gen = torch.Generator(device=model.device).manual_seed(seed)
     prompts = [r["prompt"] for r in rows]
-    texts = sample_texts(model, tokenizer, prompts, max_new_tokens, temperature, gen, tools, max_turns)
+    bar = None
+    if progress and not tools:  # multi-turn decoding has no fixed step count to show
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=max_new_tokens, desc=f"held-out, {len(rows)} prompts", unit="step", leave=False)
+    try:
+        texts = sample_texts(
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens,
+            temperature,
+            gen,
+            tools,
+            max_turns,
+            on_step=None if bar is None else lambda: bar.update(1),
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     scores = list(score(prompts, texts, [r["answer"] for r in rows]))
     return float(sum(scores) / len(scores))

@@ -200,6 +200,16 @@ class Decoded(NamedTuple):
 
 
 @torch.no_grad()
+def _observer(on_step: Callable[[], None]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A `decode` stop rule that never stops a row and calls `on_step` once per step."""
+
+    def stop(tokens: torch.Tensor) -> torch.Tensor:
+        on_step()
+        return torch.zeros_like(tokens, dtype=torch.bool)
+
+    return stop
+
+
 def sample(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -209,12 +219,13 @@ def sample(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     sampling: SamplingSettings | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> Samples:
     """Sample `num_samples` completions of each prompt, at most `max_new_tokens` tokens each (eos
     included). `temperature == 0` decodes greedily and reports log-probs and energy at temperature 1.
     Rows stop at any eos id of the model and the tokenizer (`eos_token_ids`) or a stop string of
     `sampling`; the loop ends when every row has. `generator` (on the model's device) makes it
-    reproducible."""
+    reproducible. `on_step()` is called after each decoding step (a progress bar; it changes nothing)."""
     if num_samples < 1 or max_new_tokens < 1:
         raise ValueError("num_samples and max_new_tokens must be >= 1")
     if temperature < 0:
@@ -233,6 +244,7 @@ def sample(
         eos_token_ids(model, tokenizer),
         tokenizer.pad_token_id,
         generator=generator,
+        stop=None if on_step is None else _observer(on_step),
         sampling=sampling,
         tokenizer=tokenizer,
     )

@@ -394,3 +394,23 @@ def test_settings_are_checked():
         decode(
             biased_model({}), ids, mask, 2, 1.0, [FIRST_EOS], PAD, sampling=SamplingSettings(stop_strings="a")
         )
+
+
+def test_a_progress_observer_sees_every_step_and_changes_nothing():
+    """evaluate(progress=True) draws a bar through sample's on_step: one call per decoding step, and the
+    same completions as without it (same generator stream)."""
+    from otbrl.rollout import evaluate
+    from otbrl.rollout.sampler import sample
+
+    model, tok = biased_model({}), char_tokenizer()
+    texts = ["12+3=", "7+70=", "5+5="]
+    steps = []
+    seen = sample(
+        model, tok, texts, 2, 8, 1.0, torch.Generator().manual_seed(3), on_step=lambda: steps.append(1)
+    )
+    plain = sample(model, tok, texts, 2, 8, 1.0, torch.Generator().manual_seed(3))
+    assert torch.equal(seen.completion_ids, plain.completion_ids) and seen.texts == plain.texts
+    assert 1 <= len(steps) <= 8 and len(steps) == seen.completion_mask.sum(1).max().item()
+    rows = [{"prompt": t, "answer": "1"} for t in texts]
+    score = lambda p, c, a: [float(len(x) % 2) for x in c]  # noqa: E731
+    assert evaluate(model, tok, rows, score, 8, progress=True) == evaluate(model, tok, rows, score, 8)
