@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.rollout.sandbox_checks import assert_nothing_left_behind
+from tests.tools.sandbox_checks import assert_nothing_left_behind
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from otbrl.tools import run_python
-from tests.rollout.sandbox_checks import isolated, memcg, sandbox_processes
+from tests.tools.sandbox_checks import isolated, memcg, sandbox_processes
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only"),
