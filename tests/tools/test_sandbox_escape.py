@@ -272,17 +272,19 @@ def test_no_new_namespaces_raw_sockets_or_kernel_interfaces(who, delegated):
 
 def test_ordinary_processes_threads_and_sockets_still_work():
     code = """
-        import socket, subprocess, threading
+        import multiprocessing.connection, socket, subprocess, threading
         t = threading.Thread(target=print, args=("thread",))
         t.start(); t.join()
         a, b = socket.socketpair()
         a.send(b"pair"); print(b.recv(4).decode())
-        s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1); print("tcp")
+        with multiprocessing.connection.Listener("listener", "AF_UNIX") as server:  # a unix stream server
+            with multiprocessing.connection.Client("listener", "AF_UNIX") as client:
+                client.send("unix"); print(server.accept().recv())
         print(subprocess.run(["echo", "child"], capture_output=True, text=True).stdout.strip())
     """
     result = run_python(textwrap.dedent(code), timeout_s=20)
     assert result.ok, result.to_text()
-    assert result.stdout.split() == ["thread", "pair", "tcp", "child"]
+    assert result.stdout.split() == ["thread", "pair", "unix", "child"]
 
 
 # ---------------------------------------------------------------- 3. signals to the supervisor
@@ -638,11 +640,19 @@ def test_the_seccomp_program_decides_as_documented(machine):
     assert run("clone", (0x3D0F00,)) == ALLOW  # a thread (CLONE_VM | CLONE_THREAD | ...)
     for flag in (0x10000000, 0x20000000, 0x40000000, 0x20000, 0x80, 0x02000000, 0x04000000, 0x08000000):
         assert run("clone", (flag | 17,)) == EPERM, hex(flag)
-    assert run("socket", (2, 1)) == ALLOW  # AF_INET, SOCK_STREAM
-    assert run("socket", (1, 0o2000001)) == ALLOW  # AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC
-    assert run("socket", (17, 2)) == EPERM  # AF_PACKET, SOCK_DGRAM
-    assert run("socket", (2, 3 | 0o4000)) == EPERM  # AF_INET, SOCK_RAW | SOCK_NONBLOCK
-    assert run("socket", (2, 10)) == EPERM  # SOCK_PACKET
+    for call in ("socket", "socketpair"):
+        assert run(call, (1, 0o2000001)) == ALLOW  # AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC
+        assert run(call, (1, 2)) == ALLOW and run(call, (1, 5)) == ALLOW  # SOCK_DGRAM, SOCK_SEQPACKET
+        assert run(call, (1, 3)) == EPERM  # AF_UNIX, SOCK_RAW
+        # every other family, whatever the type: inet, inet6, netlink, packet, AF_ALG, vsock, AF_XDP
+        for family in (2, 10, 16, 17, 38, 40, 44, 0, 46, 0xFFFF):
+            for kind in (1, 2, 3, 5 | 0o4000):
+                assert run(call, (family, kind)) == EPERM, (call, family, kind)
+        assert run(call, ((1 << 32) | 16, 2)) == EPERM  # the kernel reads an int: netlink, not AF_UNIX
+    assert run("socketpair", (1, 1), p=fallback) == ALLOW and run("socketpair", (16, 2), p=fallback) == EPERM
+    assert run("prlimit64", (0, 7)) == ALLOW  # the caller's own limits (what setrlimit does)
+    for pid in (1, 2, 12345, -1, 0xFFFFFFFF):
+        assert run("prlimit64", (pid, 7)) == EPERM, pid  # init, the launcher, anyone else
     assert run("shmget") == ALLOW and run("shmget", p=fallback) == EPERM
     assert run("socket", (1, 1), p=fallback) == EACCES
     assert run(_seccomp.MAX_KNOWN + 1) == ENOSYS  # newer than this policy: refused until reviewed
