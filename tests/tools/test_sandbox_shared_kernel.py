@@ -49,6 +49,18 @@ SOCKETS = """
         on_pair = ctypes.get_errno() if libc.socketpair(family, kind, proto, pair) < 0 else 0
         refused[name] = [on_socket, on_pair]
     print("refused", json.dumps(refused), flush=True)
+    netlink = []
+    try:  # the attack of issue 36, where netlink is allowed: datagrams queued at a receiver never read
+        r = socket.socket(16, socket.SOCK_DGRAM, 2)
+        r.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        r.bind((0, 0))
+        s = socket.socket(16, socket.SOCK_DGRAM, 2)
+        s.setblocking(False)
+        netlink += [r, s]
+        while True:
+            s.sendto(b"x" * 60000, (r.getsockname()[0], 0))
+    except OSError:
+        pass
     try:  # a vsock listener would take this port in the machine-wide port space
         v = socket.socket(40, socket.SOCK_STREAM)
         v.bind((0xFFFFFFFF, PARAMS["port"]))
