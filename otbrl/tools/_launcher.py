@@ -180,10 +180,13 @@ def _unshare(cfg: dict, say) -> bool:
         finally:
             os._exit(code)
     os.close(go_r)
-    os.setresgid(0, call, 0)  # the group first: with a non-zero euid there is no CAP_SETGID left
-    os.setresuid(0, call, 0)  # real and saved uid stay 0, so the way back needs no capability
-    created = _libc.unshare(flags | CLONE_NEWUSER) == 0
-    err = ctypes.get_errno()
+    try:
+        os.setresgid(0, call, 0)  # the group first: with a non-zero euid there is no CAP_SETGID left
+        os.setresuid(0, call, 0)  # real and saved uid stay 0, so the way back needs no capability
+        created = _libc.unshare(flags | CLONE_NEWUSER) == 0
+        err = ctypes.get_errno()
+    except OSError as e:  # the call's uid is not mapped here (a trainer in a user namespace itself)
+        created, err = False, e.errno
     if not created:
         os.setresuid(0, 0, 0)
         os.setresgid(0, 0, 0)
@@ -430,7 +433,10 @@ def _hide_command_line() -> None:
 def _init(cfg: dict, root: str | None, userns: bool, cgroup_fds: list[int], say) -> None:
     isolated = root is not None
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the launcher's SIGKILL ends init
-    _hide_command_line()
+    try:
+        _hide_command_line()
+    except (OSError, ValueError, IndexError) as e:
+        say("note", f"init's command line could not be overwritten ({e}): it names the launcher's path")
     # Not dumpable: init's /proc files belong to root (of the host, or of the namespace), so the code
     # cannot write them (oom_score_adj, ...) nor open its memory or fds, also where it shares init's
     # uid (a non-root trainer). The user process turns it back on for itself before exec.

@@ -5,7 +5,8 @@ tree (see `_launcher.py`) with:
   * cgroups of its own (v2, or v1; see `_cgroup.py`) that only the code's processes join -- never the
     sandbox's launcher or init, so the OOM killer cannot pick them:
       - one memory budget for the whole call (`memory_mb`), counting every process and the memory they
-        hold outside themselves (memfd files, shared memory, the tmpfs files they wrote). Over budget
+        hold outside themselves (memfd files, shared memory, the tmpfs files they wrote, the kernel
+        memory of their AF_UNIX socket buffers). Over budget
         the OOM killer stops a process of the call and the cgroup's kill counter sets
         `limit_hit == "memory"`; `memory_peak_mb` is the cgroup's peak;
       - one process-and-thread count (`max_processes`, a pids cgroup), whose count of refused forks
@@ -23,15 +24,24 @@ tree (see `_launcher.py`) with:
     sockets are not there to reach; abstract unix sockets belong to the (empty) network namespace.
     Every process it started dies with it (pid namespace) -- also children that called setsid or
     double-forked. Every namespace limit of the call's user namespace is 0;
-  * a system-call policy (`_seccomp.py`, in every mode) refusing key management, new namespaces,
-    packet and raw sockets, bpf, userfaultfd, perf_event_open, ptrace, io_uring, mounts, administration
-    calls and any call newer than the policy; a fresh, empty session keyring; a session and process
-    group of its own, so job-control tricks and kill(0, ...) stay inside the call;
-  * as root, a uid of its own per call (`_UID_BASE + pid * 256 + slot`), so RLIMIT_NPROC binds (it does
-    not for root), concurrent calls never share a process budget, and leftovers can be swept by uid
-    (trainers in different pid namespaces of one kernel could, rarely, draw the same uid). As a
-    non-root user the call keeps its uid inside its user namespace, where RLIMIT_NPROC counts only the
-    sandbox's own processes (Linux >= 5.14);
+  * a system-call policy (`_seccomp.py`, in every mode) refusing key management, new namespaces, every
+    socket family but AF_UNIX (netlink, vsock, AF_ALG, packet, inet, ...), `prlimit64` on other
+    processes, bpf, userfaultfd, perf_event_open, ptrace, io_uring, mounts, administration calls and
+    any call newer than the policy; a fresh, empty session keyring; a session and process group of its
+    own, so job-control tricks and kill(0, ...) stay inside the call;
+  * as root, a uid of its own per call (`_UID_BASE + pid * 256 + slot`; no account, no subordinate
+    range and no process has it, checked once per trainer process), which also owns the call's user
+    namespace: the kernel charges per-user quotas (inotify instances and watches, message-queue bytes,
+    pending signals, processes) of everything in a user namespace to its owner too, so a call cannot
+    use up the trainer's. RLIMIT_NPROC binds (it does not for root), concurrent calls never share a
+    process budget, and leftovers can be swept by uid. As a non-root user the call keeps its uid inside
+    its user namespace (the trainer's: an unprivileged process can map only itself), where RLIMIT_NPROC
+    counts only the sandbox's own processes (Linux >= 5.14);
+  * the call's share of per-user quotas, whoever owns its namespace: RLIMIT_SIGPENDING (`SIGPENDING`),
+    RLIMIT_MSGQUEUE (`MSGQUEUE_BYTES`), and inotify instances and watches set in its user namespace;
+  * init (pid 1 of the call) is root's as root, not dumpable (its /proc files are root's, whatever
+    the uid), and shows "otbrl-sandbox-init" as its command line; the launcher has no pid in the
+    call's pid namespace and gets its configuration through a pipe;
   * a scrubbed environment (PATH, HOME, TMPDIR, LANG only) and `python -I` (no PYTHON* variables, no
     user site); no file descriptors but stdin (/dev/null), stdout and stderr are inherited;
   * stdout and stderr each capped at `max_output_bytes`; past that the run is stopped (limit "output").
@@ -563,16 +573,23 @@ _slots_free: tuple[int, set[int]] | None = None  # (pid, slots whose uid belongs
 
 
 def _unused_slots() -> set[int]:
-    """The slots of this process's uid range (`_UID_BASE + pid * 256 + slot`) whose uid is nobody else's:
-    no account in /etc/passwd, in no subordinate range of /etc/subuid, and no process running as it.
-    Checked once per process (a fork gets its own range), before its first call: a call's uid must own
-    nothing else on the host, because the kernel charges per-user quotas to it."""
+    """The slots of this process's uid range (`_UID_BASE + pid * 256 + slot`) whose uid is nobody else's
+    (`_taken_uids`). Checked once per process (a fork gets its own range), before its first call: a
+    call's uid must own nothing else on the host, because the kernel charges per-user quotas to it."""
     global _slots_free
-    if _slots_free is not None and _slots_free[0] == os.getpid():
-        return _slots_free[1]
-    low = _UID_BASE + os.getpid() * _SLOTS
-    taken = set()
-    for path in ("/etc/passwd", "/etc/subuid"):
+    if _slots_free is None or _slots_free[0] != os.getpid():
+        low = _UID_BASE + os.getpid() * _SLOTS
+        taken = _taken_uids(range(low, low + _SLOTS))
+        _slots_free = (os.getpid(), {slot for slot in range(_SLOTS) if low + slot not in taken})
+    return _slots_free[1]
+
+
+def _taken_uids(uids: range, passwd: str = "/etc/passwd", subuid: str = "/etc/subuid") -> set[int]:
+    """The uids of `uids` that belong to someone: an account in `passwd`, a subordinate range in
+    `subuid` (handed to a user for its own user namespaces), or a process (real, effective, saved or
+    filesystem uid) running as it now."""
+    taken: set[int] = set()
+    for path in (passwd, subuid):
         try:
             with open(path) as f:
                 lines = [line.split(":") for line in f if not line.startswith("#")]
@@ -580,19 +597,18 @@ def _unused_slots() -> set[int]:
             continue
         for fields in lines:
             try:  # passwd: name:x:uid:...; subuid: name:first:count
-                start, count = (int(fields[2]), 1) if path == "/etc/passwd" else map(int, fields[1:3])
+                start, count = (int(fields[2]), 1) if path == passwd else map(int, fields[1:3])
             except (IndexError, ValueError):
                 continue
-            taken |= {u - low for u in range(max(start, low), min(start + count, low + _SLOTS))}
+            taken.update(range(max(start, uids.start), min(start + count, uids.stop)))
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/status") as f:
-                uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
+                ids = next(line for line in f if line.startswith("Uid:")).split()[1:]
         except (OSError, StopIteration):
             continue
-        taken |= {int(u) - low for u in uids if low <= int(u) < low + _SLOTS}
-    _slots_free = (os.getpid(), set(range(_SLOTS)) - taken)
-    return _slots_free[1]
+        taken.update(u for u in map(int, ids) if u in uids)
+    return taken
 
 
 @contextmanager

@@ -83,7 +83,10 @@ def watch():  # find the held code by its name, look at the host, let it go on
                 seen["during"] = env["during"](int(entry)) if "during" in env else None
             except Exception as e:  # reported, and the code still let go
                 seen["during"] = {"error": repr(e)}
-            os.kill(int(entry), signal.SIGUSR1)
+            try:
+                os.kill(int(entry), signal.SIGUSR1)
+            except ProcessLookupError:  # it ended meanwhile (killed at a limit)
+                pass
             return
         time.sleep(0.02)
 

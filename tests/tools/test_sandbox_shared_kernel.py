@@ -11,7 +11,9 @@ limits and command lines. Only then does the code go on (or end).
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
 import sys
 import textwrap
 
@@ -287,6 +289,30 @@ def test_a_call_that_exhausts_its_quotas_leaves_the_callers_own_calls_working(wh
         assert during["owner"] == during["uid"], during
     else:  # an unprivileged trainer can map only itself: the call's shares come out of its quotas
         assert during["owner"] == during["caller"] == during["uid"], during
+
+
+def test_the_calls_uids_are_checked_to_belong_to_no_one_else(tmp_path, monkeypatch):
+    from otbrl.tools import sandbox
+
+    low = sandbox._UID_BASE + os.getpid() * sandbox._SLOTS
+    uids = range(low, low + sandbox._SLOTS)
+    passwd, subuid = tmp_path / "passwd", tmp_path / "subuid"
+    passwd.write_text(f"root:x:0:0::/root:/bin/sh\n# comment\nsvc:x:{low + 3}:{low + 3}::/:/bin/false\n")
+    subuid.write_text(f"alice:{low + 250}:100\nbob:100000:65536\n")
+    expected = {low + 3, *range(low + 250, low + 256)}
+    squatter = None
+    if os.geteuid() == 0:  # a process already running as one of the range's uids (root can start one)
+        squatter = subprocess.Popen(["sleep", "30"], user=low + 7, group=low + 7, extra_groups=[])
+        expected.add(low + 7)
+    try:
+        assert sandbox._taken_uids(uids, str(passwd), str(subuid)) == expected
+        if squatter is not None:  # the slots handed out skip it (checked once per process: fresh here)
+            monkeypatch.setattr(sandbox, "_slots_free", None)
+            assert 7 not in sandbox._unused_slots() and 6 in sandbox._unused_slots()
+    finally:
+        if squatter is not None:
+            squatter.kill()
+            squatter.wait()
 
 
 # ---------------------------------------------------------------- 3. init and the launcher
