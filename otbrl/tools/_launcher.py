@@ -424,8 +424,9 @@ def _hide_command_line() -> None:
     with open("/proc/self/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()  # from field 3 (state) on
     start, end = int(fields[48 - 3]), int(fields[49 - 3])  # arg_start, arg_end (proc(5))
-    if end - start > len(INIT_TITLE):
-        ctypes.memmove(start, INIT_TITLE.ljust(end - start, b"\0"), end - start)
+    size = end - start
+    if size > 0:  # the title (cut to fit), then zeros to the end; the last byte stays a zero
+        ctypes.memmove(start, INIT_TITLE[: size - 1].ljust(size, b"\0"), size)
     name = ctypes.create_string_buffer(INIT_TITLE[:15])  # the kernel keeps 15 bytes of a name
     _libc.prctl(PR_SET_NAME, ctypes.addressof(name), 0, 0, 0)
 

@@ -66,6 +66,7 @@ Pass `require_isolation=True` to get an error result instead of any of these.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -361,12 +362,17 @@ def _run(
             "msgqueue": MSGQUEUE_BYTES,
             "require_isolation": require_isolation,
         }
-        # the configuration goes through a pipe (a few KiB: it fits before anyone reads), not the
-        # command line, which other processes can read
+        # the configuration goes through a pipe, not the command line, which other processes can read;
+        # written whole before the launcher starts, so the pipe must hold it (64 KiB, or made larger)
         config_r, config_w = os.pipe()
         try:
-            os.write(config_w, json.dumps(cfg).encode())
-            os.close(config_w)
+            payload = json.dumps(cfg).encode()
+            try:
+                if len(payload) > 65536:
+                    fcntl.fcntl(config_w, fcntl.F_SETPIPE_SZ, len(payload))
+                os.write(config_w, payload)
+            finally:
+                os.close(config_w)
             proc = subprocess.Popen(
                 [python, "-I", "-S", _LAUNCHER, str(config_r), base],
                 stdin=subprocess.DEVNULL,
