@@ -581,7 +581,9 @@ _slots_free: tuple[int, set[int]] | None = None  # (pid, slots whose uid belongs
 def _unused_slots() -> set[int]:
     """The slots of this process's uid range (`_UID_BASE + pid * 256 + slot`) whose uid is nobody else's
     (`_taken_uids`). Checked once per process (a fork gets its own range), before its first call: a
-    call's uid must own nothing else on the host, because the kernel charges per-user quotas to it."""
+    call's uid must own nothing else on the host, because the kernel charges per-user quotas to it, and
+    because a process running as it outside the call would hold every capability in the call's
+    namespaces (it owns them)."""
     global _slots_free
     if _slots_free is None or _slots_free[0] != os.getpid():
         low = _UID_BASE + os.getpid() * _SLOTS
