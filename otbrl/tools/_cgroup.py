@@ -162,6 +162,19 @@ def create(limit_bytes: int) -> tuple[MemoryCgroup | None, str]:
     return cgroup, ""
 
 
+def kernel_memory_counted() -> bool:
+    """Whether memory cgroups count kernel memory: AF_UNIX socket buffers (allocated with
+    __GFP_ACCOUNT since Linux 4.7), page tables, inotify events, ... Off only when the kernel was
+    booted with cgroup.memory=nokmem."""
+    try:
+        with open("/proc/cmdline") as f:
+            words = f.read().split()
+    except OSError:
+        return True
+    options = [w.split("=", 1)[1].split(",") for w in words if w.startswith("cgroup.memory=")]
+    return not any("nokmem" in o for o in options)
+
+
 def leftovers(pid: int | None = None) -> list[str]:
     """Per-call cgroups of process `pid` (default: this one) that still exist, in every hierarchy."""
     parents = [p for p in (_parent, *(_others or {}).values()) if p is not None and not isinstance(p, str)]

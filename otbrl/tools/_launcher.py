@@ -1,20 +1,28 @@
 """Child-side half of `otbrl.tools.sandbox`: isolates itself, then runs the model's script.
 
-Started as `python -I -S _launcher.py CONFIG_JSON` in a fresh single-threaded process, because
-fork/unshare/setuid are unsafe in a `preexec_fn` of a multi-threaded trainer. Stdlib only, and never
-imports `otbrl` (that would pull in torch). Process tree and protocol:
+Started as `python -I -S _launcher.py CONFIG_FD CALL_DIR` in a fresh single-threaded process, because
+fork/unshare/setuid are unsafe in a `preexec_fn` of a multi-threaded trainer; the configuration (JSON)
+comes through the pipe CONFIG_FD, not the command line. Stdlib only, and never imports `otbrl` (that
+would pull in torch). Process tree and protocol:
 
     launcher   opens the call's cgroups (without joining them: the supervisor stays out of the call's
                memory budget, so the OOM killer cannot take it), unshares namespaces (user, mount, net,
-               pid, ipc, uts; as root a helper outside writes the user namespace's uid map), builds the
-               call's root filesystem on a fresh tmpfs
+               pid, ipc, uts), builds the call's root filesystem on a fresh tmpfs. As root it creates
+               the user namespace with the call's uid as its effective uid, so that uid owns it: the
+               kernel charges per-user quotas (inotify instances, message-queue bytes, pending signals,
+               processes) of everything inside to the namespace's owner, and that owner is then a uid
+               of the call's own, not the trainer's. A helper outside writes the uid map (root and the
+               call's uid), and the launcher becomes root of the namespace again.
       init     pid 1 of the new pid namespace: mounts /proc, pivots into the new root (the host's root
                is detached), reaps orphans, reports, and on exit the kernel kills every process left
-               in the namespace (daemons, setsid'd children, ...)
+               in the namespace (daemons, setsid'd children, ...). Not dumpable (its /proc files are
+               root's, not the code's, whatever the uid), and its command line overwritten: the code
+               sees it as pid 1, and must learn nothing of the host from it.
         user   joins the call's cgroups, starts a session of its own, its own cgroup namespace and an
-               empty session keyring, sets the namespace limits of its user namespace to 0, drops to
-               the per-call uid (root only), sets rlimits and the seccomp policy (`_seccomp.py`), execs
-               `python -I main.py`
+               empty session keyring, sets the limits of its user namespace (no new namespaces, a few
+               inotify instances and watches), drops to the per-call uid (root only), sets rlimits
+               (pending signals and message-queue bytes among them) and the seccomp policy
+               (`_seccomp.py`), execs `python -I main.py`
 
 Init and the launcher ignore the signals a job-control trick or `kill(0, ...)` could send them (HUP,
 INT, QUIT, TERM for init, USR1/2, ALRM, TSTP/TTIN/TTOU), and try `oom_score_adj=-1000`.
@@ -51,6 +59,8 @@ CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+PR_SET_DUMPABLE, PR_SET_NAME = 4, 15
+INIT_TITLE = b"otbrl-sandbox-init"  # what the code reads in /proc/1/cmdline instead of host paths
 SYS_MOUNT_SETATTR = 442  # same number on x86_64 and aarch64
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219}
@@ -72,6 +82,9 @@ SUPERVISOR_IGNORES = (
 # Every namespace limit of the sandbox's user namespace is set to 0 once the call's namespaces exist
 # (the user-namespace one is bubblewrap's --disable-userns); seccomp refuses new namespaces as well.
 NAMESPACE_LIMITS = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time")
+# The call's share of the per-user inotify quotas, set in its user namespace (the kernel checks every
+# level: this one per call, then the host's for the namespace's owner). Tool code needs few.
+INOTIFY_LIMITS = {"max_inotify_instances": 16, "max_inotify_watches": 1024}
 MNT_DETACH = 2
 # What a call sees of the host besides the interpreter's prefix, all read-only: the system's programs and
 # shared libraries (the interpreter and its extension modules link against them) and the loader's
@@ -149,8 +162,11 @@ def _unshare(cfg: dict, say) -> bool:
         _write("/proc/self/gid_map", f"{gid} {gid} 1")
         return True
     # Root: root and the call's uid keep their host ids inside. Only a process outside the new user
-    # namespace may write such a map, so a helper forked before the unshare writes it.
-    mapping = f"0 0 1\n{cfg['uid']} {cfg['uid']} 1\n"
+    # namespace may write such a map, so a helper forked before the unshare writes it. The namespace
+    # is created with the call's uid as effective uid, which makes that uid its owner (see the module
+    # docstring: per-user quotas are charged to the owner); the launcher is root inside afterwards.
+    call = cfg["uid"]
+    mapping = f"0 0 1\n{call} {call} 1\n"
     go_r, go_w = os.pipe()
     helper = os.fork()
     if helper == 0:
@@ -164,19 +180,33 @@ def _unshare(cfg: dict, say) -> bool:
         finally:
             os._exit(code)
     os.close(go_r)
-    if _libc.unshare(flags | CLONE_NEWUSER) != 0:
+    try:
+        os.setresgid(0, call, 0)  # the group first: with a non-zero euid there is no CAP_SETGID left
+        os.setresuid(0, call, 0)  # real and saved uid stay 0, so the way back needs no capability
+        created = _libc.unshare(flags | CLONE_NEWUSER) == 0
         err = ctypes.get_errno()
+    except OSError as e:  # the call's uid is not mapped here (a trainer in a user namespace itself)
+        created, err = False, e.errno
+    if not created:
+        os.setresuid(0, 0, 0)
+        os.setresgid(0, 0, 0)
         os.write(go_w, b"0")
         os.close(go_w)
         os.waitpid(helper, 0)
         why = os.strerror(err)
-        say("note", f"no user namespace for the call ({why}): its namespace limits stay the host's")
+        say(
+            "note",
+            f"no user namespace for the call ({why}): its namespace limits stay the host's, and the "
+            "code's per-user quotas are its own uid's on the host",
+        )
         _check(_libc.unshare(flags), "unshare")
         return False
     os.write(go_w, b"1")
     os.close(go_w)
     if os.waitstatus_to_exitcode(os.waitpid(helper, 0)[1]) != 0:
         raise SystemExit(_fail(say, "cannot write the uid map of the call's user namespace"))
+    os.setresuid(0, 0, 0)  # root of the new namespace (mapped to the host's root, whose files it binds)
+    os.setresgid(0, 0, 0)
     return True
 
 
@@ -267,9 +297,9 @@ def _enter_root(root: str, say) -> None:
 
 
 RLIMIT_NOTE = (
-    "memory_mb bounds each process's address space only (RLIMIT_AS); memfd files, shared memory and "
-    "several processes can together hold more, and a MemoryError from that limit is not reported in "
-    "limit_hit"
+    "memory_mb bounds each process's address space only (RLIMIT_AS); memfd files, shared memory, "
+    "socket buffers and several processes can together hold more, and a MemoryError from that limit is "
+    "not reported in limit_hit"
 )
 
 
@@ -293,18 +323,21 @@ def _join_cgroups(cfg: dict, fds: list[int], say) -> bool:
     return bool(fds)
 
 
-def _limit_namespaces(say) -> None:
-    """Set every namespace limit of the call's user namespace to 0 (bubblewrap's --disable-userns, for
-    all kinds): the code cannot create one even through a kernel bug in the seccomp policy's path."""
+def _limit_user_namespace(say) -> None:
+    """Set the limits of the call's user namespace: every namespace limit to 0 (bubblewrap's
+    --disable-userns, for all kinds), so the code cannot create one even through a kernel bug in the
+    seccomp policy's path; and its inotify instances and watches to the call's share (INOTIFY_LIMITS),
+    which the kernel checks before the host's per-user quota of the namespace's owner."""
     failed = []
-    for kind in NAMESPACE_LIMITS:
+    limits = {f"max_{kind}_namespaces": 0 for kind in NAMESPACE_LIMITS}
+    for name, value in {**limits, **INOTIFY_LIMITS}.items():
         try:
-            _write(f"/proc/sys/user/max_{kind}_namespaces", "0")
+            _write(f"/proc/sys/user/{name}", str(value))
         except OSError as e:
             if e.errno != 2:  # a kind this kernel lacks (time namespaces before 5.6)
-                failed.append(f"{kind}: {e.strerror}")
+                failed.append(f"{name}: {e.strerror}")
     if failed:
-        say("note", f"could not set the namespace limits inside the sandbox to 0 ({'; '.join(failed)})")
+        say("note", f"could not set the limits of the sandbox's user namespace ({'; '.join(failed)})")
 
 
 def _fresh_keyring(say) -> None:
@@ -330,7 +363,7 @@ def _exec_user(cfg: dict, isolated: bool, userns: bool, cgroup_fds: list[int], s
         except OSError as e:
             say("note", f"no cgroup namespace ({e})")
     if userns:
-        _limit_namespaces(say)
+        _limit_user_namespace(say)
     if uid is not None:  # root: a fresh uid of its own, so RLIMIT_NPROC binds and DAC protects files
         os.setgroups([])
         os.setgid(uid)
@@ -345,13 +378,20 @@ def _exec_user(cfg: dict, isolated: bool, userns: bool, cgroup_fds: list[int], s
         (resource.RLIMIT_FSIZE, (cfg["fsize"], cfg["fsize"])),
         (resource.RLIMIT_NOFILE, (cfg["nofile"], cfg["nofile"])),
         (resource.RLIMIT_CORE, (0, 0)),
+        # per-user quotas, counted for the call's uid in its user namespace and again for the
+        # namespace's owner on the host: the call's share of them, whoever that owner is
+        (resource.RLIMIT_SIGPENDING, (cfg["sigpending"], cfg["sigpending"])),
+        (resource.RLIMIT_MSGQUEUE, (cfg["msgqueue"], cfg["msgqueue"])),
     ]
     if isolated or uid is not None:  # else it would count all of the caller's processes: forks would fail
         limits.append((resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"])))
     if not cgroups or not cfg["memcg"]:  # the cgroup's budget is the limit where there is one; an
         limits.append((resource.RLIMIT_AS, (mem, mem)))  # address-space cap is a poor per-process stand-in
-    for res, value in limits:
-        resource.setrlimit(res, value)
+    for res, (soft, hard) in limits:
+        current = resource.getrlimit(res)[1]  # never above the inherited hard limit (that would fail)
+        if current != resource.RLIM_INFINITY:
+            soft, hard = min(soft, current), min(hard, current)
+        resource.setrlimit(res, (soft, hard))
     os.chdir(cfg["workdir"])
     python = cfg["python"]
     if isolated:
@@ -377,9 +417,31 @@ def _ignore_signals() -> None:
         pass
 
 
+def _hide_command_line() -> None:
+    """Overwrite this process's argument area -- what /proc/<pid>/cmdline shows anyone -- with
+    INIT_TITLE, and its name. Init is a fork of the launcher, whose arguments name host paths; the code
+    sees init as pid 1. Python keeps its own copy of argv, so nothing here reads the area again."""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()  # from field 3 (state) on
+    start, end = int(fields[48 - 3]), int(fields[49 - 3])  # arg_start, arg_end (proc(5))
+    size = end - start
+    if size > 0:  # the title (cut to fit), then zeros to the end; the last byte stays a zero
+        ctypes.memmove(start, INIT_TITLE[: size - 1].ljust(size, b"\0"), size)
+    name = ctypes.create_string_buffer(INIT_TITLE[:15])  # the kernel keeps 15 bytes of a name
+    _libc.prctl(PR_SET_NAME, ctypes.addressof(name), 0, 0, 0)
+
+
 def _init(cfg: dict, root: str | None, userns: bool, cgroup_fds: list[int], say) -> None:
     isolated = root is not None
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the launcher's SIGKILL ends init
+    try:
+        _hide_command_line()
+    except (OSError, ValueError, IndexError) as e:
+        say("note", f"init's command line could not be overwritten ({e}): it names the launcher's path")
+    # Not dumpable: init's /proc files belong to root (of the host, or of the namespace), so the code
+    # cannot write them (oom_score_adj, ...) nor open its memory or fds, also where it shares init's
+    # uid (a non-root trainer). The user process turns it back on for itself before exec.
+    _prctl(PR_SET_DUMPABLE, 0)
     if isolated:
         _enter_root(root, say)
     else:
@@ -388,6 +450,7 @@ def _init(cfg: dict, root: str | None, userns: bool, cgroup_fds: list[int], say)
     child = os.fork()
     if child == 0:
         try:
+            _prctl(PR_SET_DUMPABLE, 1)  # the code's own /proc files stay its own (oom_score_adj, ...)
             _exec_user(cfg, isolated, userns, cgroup_fds, say)
         except BaseException as e:  # noqa: BLE001 - report anything, the parent must never hang
             say("error", f"cannot start the interpreter as the sandbox user: {e}")
@@ -407,7 +470,7 @@ def _init(cfg: dict, root: str | None, userns: bool, cgroup_fds: list[int], say)
 def main() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
     _ignore_signals()
-    cfg = json.loads(sys.argv[1])
+    cfg = json.loads(_read_all(int(sys.argv[1])))
     status_fd = cfg["status_fd"]
     os.set_inheritable(status_fd, False)  # closed at the user's exec: the code cannot fake a status
 
@@ -480,6 +543,15 @@ def main() -> None:
 
 
 _init_pid: int | None = None
+
+
+def _read_all(fd: int) -> bytes:
+    """The configuration, from the pipe the supervisor wrote it to (then closed here)."""
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -9,16 +9,23 @@ What it refuses (EPERM unless said otherwise), and why:
   * key management (`add_key`, `keyctl`, `request_key`): keyrings are not namespaced;
   * new namespaces: `unshare`, `setns`, `clone` with any CLONE_NEW* flag; `clone3` fails with ENOSYS
     (its flags sit in memory a filter cannot read), so the C library falls back to `clone`;
-  * packet sockets (AF_PACKET) and raw sockets (SOCK_RAW, SOCK_PACKET) of any family;
+  * every socket family but AF_UNIX, for `socket` and `socketpair` alike: netlink, vsock, AF_ALG, packet,
+    inet and the rest. AF_UNIX buffers are charged to the call's memory cgroup (the kernel allocates
+    them with __GFP_ACCOUNT since Linux 4.7); a netlink socket's are not (code held 129 MiB of them
+    under a 32 MiB budget), a vsock port is taken in the machine-wide port space, outside the network
+    namespace, and inet reaches nothing in the call's network namespace, whose loopback is down. Raw
+    sockets (SOCK_RAW, SOCK_PACKET) are refused in AF_UNIX too;
+  * `prlimit64` on any process but the caller (a pid argument other than 0): as a non-root trainer,
+    init shares the code's uid, and the kernel would let the code change init's limits;
   * kernel interfaces with a long record of exploits or that reach other processes: `bpf`,
     `userfaultfd`, `perf_event_open`, `ptrace`, `process_vm_readv/writev`, `kcmp`, `pidfd_getfd`,
     `process_madvise`, io_uring, `fanotify_init`, `name_to_handle_at`/`open_by_handle_at`;
   * administration that needs privileges the code does not have anyway (mounts and the new mount API,
     modules, kexec, reboot, swap, clocks, quotas, accounting, NUMA policy, `personality`, ...): refused
     here too, so a kernel bug in a permission check is not reachable.
-The namespace-less fallback (`fallback=True`) also refuses every `socket()` (EACCES; `socketpair` still
-works), and SysV IPC and POSIX message queues (`shmget`, `msgget`, `semget`, `mq_open`), which would
-outlive the call without an IPC namespace of its own.
+The namespace-less fallback (`fallback=True`) also refuses every `socket()` (EACCES; an AF_UNIX
+`socketpair` still works), and SysV IPC and POSIX message queues (`shmget`, `msgget`, `semget`,
+`mq_open`), which would outlive the call without an IPC namespace of its own.
 
 Stdlib only: `_launcher.py` installs it in the sandbox's user process just before `execve`.
 """
@@ -36,118 +43,33 @@ MAX_KNOWN = 469
 # name -> number, from the kernel's asm/unistd_64.h (x86_64) and asm-generic/unistd.h (aarch64,
 # riscv64). Only the calls the policy names; a name missing on an architecture does not exist there.
 X86_64 = {
-    "socket": 41,
-    "shmget": 29,
-    "semget": 64,
-    "msgget": 68,
-    "clone": 56,
-    "ptrace": 101,
-    "syslog": 103,
-    "uselib": 134,
-    "personality": 135,
-    "ustat": 136,
-    "sysfs": 139,
-    "vhangup": 153,
-    "pivot_root": 155,
-    "_sysctl": 156,
-    "adjtimex": 159,
-    "chroot": 161,
-    "acct": 163,
-    "settimeofday": 164,
-    "mount": 165,
-    "umount2": 166,
-    "swapon": 167,
-    "swapoff": 168,
-    "reboot": 169,
-    "sethostname": 170,
-    "setdomainname": 171,
-    "iopl": 172,
-    "ioperm": 173,
-    "create_module": 174,
-    "init_module": 175,
-    "delete_module": 176,
-    "get_kernel_syms": 177,
-    "query_module": 178,
-    "quotactl": 179,
-    "nfsservctl": 180,
-    "lookup_dcookie": 212,
-    "clock_settime": 227,
-    "mbind": 237,
-    "set_mempolicy": 238,
-    "mq_open": 240,
-    "kexec_load": 246,
-    "add_key": 248,
-    "request_key": 249,
-    "keyctl": 250,
-    "migrate_pages": 256,
-    "unshare": 272,
-    "move_pages": 279,
-    "perf_event_open": 298,
-    "fanotify_init": 300,
-    "name_to_handle_at": 303,
-    "open_by_handle_at": 304,
-    "clock_adjtime": 305,
-    "setns": 308,
-    "process_vm_readv": 310,
-    "process_vm_writev": 311,
-    "kcmp": 312,
-    "finit_module": 313,
-    "kexec_file_load": 320,
-    "bpf": 321,
+    "socket": 41, "socketpair": 53, "prlimit64": 302,
+    "shmget": 29, "semget": 64, "msgget": 68, "clone": 56, "ptrace": 101, "syslog": 103,
+    "uselib": 134, "personality": 135, "ustat": 136, "sysfs": 139, "vhangup": 153, "pivot_root": 155,
+    "_sysctl": 156, "adjtimex": 159, "chroot": 161, "acct": 163, "settimeofday": 164, "mount": 165,
+    "umount2": 166, "swapon": 167, "swapoff": 168, "reboot": 169, "sethostname": 170, "setdomainname": 171,
+    "iopl": 172, "ioperm": 173, "create_module": 174, "init_module": 175, "delete_module": 176,
+    "get_kernel_syms": 177, "query_module": 178, "quotactl": 179, "nfsservctl": 180, "lookup_dcookie": 212,
+    "clock_settime": 227, "mbind": 237, "set_mempolicy": 238, "mq_open": 240, "kexec_load": 246,
+    "add_key": 248, "request_key": 249, "keyctl": 250, "migrate_pages": 256, "unshare": 272,
+    "move_pages": 279, "perf_event_open": 298, "fanotify_init": 300, "name_to_handle_at": 303,
+    "open_by_handle_at": 304, "clock_adjtime": 305, "setns": 308, "process_vm_readv": 310,
+    "process_vm_writev": 311, "kcmp": 312, "finit_module": 313, "kexec_file_load": 320, "bpf": 321,
     "userfaultfd": 323,
 }
 GENERIC = {
-    "lookup_dcookie": 18,
-    "umount2": 39,
-    "mount": 40,
-    "pivot_root": 41,
-    "nfsservctl": 42,
-    "chroot": 51,
-    "vhangup": 58,
-    "quotactl": 60,
-    "acct": 89,
-    "personality": 92,
-    "unshare": 97,
-    "kexec_load": 104,
-    "init_module": 105,
-    "delete_module": 106,
-    "clock_settime": 112,
-    "syslog": 116,
-    "ptrace": 117,
-    "reboot": 142,
-    "sethostname": 161,
-    "setdomainname": 162,
-    "settimeofday": 170,
-    "adjtimex": 171,
-    "mq_open": 180,
-    "msgget": 186,
-    "semget": 190,
-    "shmget": 194,
-    "socket": 198,
-    "add_key": 217,
-    "request_key": 218,
-    "keyctl": 219,
-    "clone": 220,
-    "swapon": 224,
-    "swapoff": 225,
-    "mbind": 235,
-    "set_mempolicy": 237,
-    "migrate_pages": 238,
-    "move_pages": 239,
-    "perf_event_open": 241,
-    "fanotify_init": 262,
-    "name_to_handle_at": 264,
-    "open_by_handle_at": 265,
-    "clock_adjtime": 266,
-    "setns": 268,
-    "process_vm_readv": 270,
-    "process_vm_writev": 271,
-    "kcmp": 272,
-    "finit_module": 273,
-    "bpf": 280,
-    "userfaultfd": 282,
-    "kexec_file_load": 294,
-}
+    "lookup_dcookie": 18, "umount2": 39, "mount": 40, "pivot_root": 41, "nfsservctl": 42, "chroot": 51,
+    "vhangup": 58, "quotactl": 60, "acct": 89, "personality": 92, "unshare": 97, "kexec_load": 104,
+    "init_module": 105, "delete_module": 106, "clock_settime": 112, "syslog": 116, "ptrace": 117,
+    "reboot": 142, "sethostname": 161, "setdomainname": 162, "settimeofday": 170, "adjtimex": 171,
+    "mq_open": 180, "msgget": 186, "semget": 190, "shmget": 194, "socket": 198, "socketpair": 199,
+    "prlimit64": 261, "add_key": 217,
+    "request_key": 218, "keyctl": 219, "clone": 220, "swapon": 224, "swapoff": 225, "mbind": 235,
+    "set_mempolicy": 237, "migrate_pages": 238, "move_pages": 239, "perf_event_open": 241,
+    "fanotify_init": 262, "name_to_handle_at": 264, "open_by_handle_at": 265, "clock_adjtime": 266,
+    "setns": 268, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "finit_module": 273,
+    "bpf": 280, "userfaultfd": 282, "kexec_file_load": 294,
+}  # fmt: skip
 SHARED = {  # the same number on every architecture
     "io_uring_setup": 425,
     "io_uring_enter": 426,
@@ -249,7 +171,7 @@ DENIED = (
 FALLBACK_DENIED = ("shmget", "msgget", "semget", "mq_open")  # outlive the call without an IPC namespace
 
 CLONE_NAMESPACES = 0x7E020080  # NEWTIME|NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
-AF_PACKET = 17
+AF_UNIX = 1  # the one socket family the code may use
 SOCK_RAW, SOCK_PACKET, SOCK_TYPE_MASK = 3, 10, 0xF  # the type's low bits; the rest are NONBLOCK/CLOEXEC
 
 # classic BPF opcodes, and seccomp return values
@@ -284,22 +206,29 @@ def program(machine: str, fallback: bool = False) -> list[tuple[int, int, int, i
         (JEQ, "enosys", 0, table["clone3"]),
         (JEQ, "clone", 0, table["clone"]),
         (JEQ, "socket", 0, table["socket"]),
+        (JEQ, "socketpair", 0, table["socketpair"]),
+        (JEQ, "prlimit", 0, table["prlimit64"]),
         (RET, 0, 0, RET_ALLOW),
         ("clone",),
         (LD_ABS, 0, 0, _arg_low(0)),  # flags: the first argument on x86_64, aarch64 and riscv64
         (JSET, "eperm", 0, CLONE_NAMESPACES),
         (RET, 0, 0, RET_ALLOW),
+        ("prlimit",),
+        (LD_ABS, 0, 0, _arg_low(0)),  # pid (a pid_t: the kernel reads the low 32 bits only)
+        (JEQ, "allow", "eperm", 0),  # 0: the caller itself
         ("socket",),
     ]
     if fallback:
         code.append((RET, 0, 0, RET_ERRNO | errno.EACCES))
     code += [
-        (LD_ABS, 0, 0, _arg_low(0)),  # domain
-        (JEQ, "eperm", 0, AF_PACKET),
+        ("socketpair",),  # socket and socketpair: the same (domain, type) arguments
+        (LD_ABS, 0, 0, _arg_low(0)),  # domain (an int)
+        (JEQ, 0, "eperm", AF_UNIX),
         (LD_ABS, 0, 0, _arg_low(1)),  # type
         (AND, 0, 0, SOCK_TYPE_MASK),
         (JEQ, "eperm", 0, SOCK_RAW),
         (JEQ, "eperm", 0, SOCK_PACKET),
+        ("allow",),
         (RET, 0, 0, RET_ALLOW),
         ("eperm",),
         (RET, 0, 0, RET_ERRNO | errno.EPERM),

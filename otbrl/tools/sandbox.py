@@ -5,7 +5,8 @@ tree (see `_launcher.py`) with:
   * cgroups of its own (v2, or v1; see `_cgroup.py`) that only the code's processes join -- never the
     sandbox's launcher or init, so the OOM killer cannot pick them:
       - one memory budget for the whole call (`memory_mb`), counting every process and the memory they
-        hold outside themselves (memfd files, shared memory, the tmpfs files they wrote). Over budget
+        hold outside themselves (memfd files, shared memory, the tmpfs files they wrote, the kernel
+        memory of their AF_UNIX socket buffers). Over budget
         the OOM killer stops a process of the call and the cgroup's kill counter sets
         `limit_hit == "memory"`; `memory_peak_mb` is the cgroup's peak;
       - one process-and-thread count (`max_processes`, a pids cgroup), whose count of refused forks
@@ -23,15 +24,24 @@ tree (see `_launcher.py`) with:
     sockets are not there to reach; abstract unix sockets belong to the (empty) network namespace.
     Every process it started dies with it (pid namespace) -- also children that called setsid or
     double-forked. Every namespace limit of the call's user namespace is 0;
-  * a system-call policy (`_seccomp.py`, in every mode) refusing key management, new namespaces,
-    packet and raw sockets, bpf, userfaultfd, perf_event_open, ptrace, io_uring, mounts, administration
-    calls and any call newer than the policy; a fresh, empty session keyring; a session and process
-    group of its own, so job-control tricks and kill(0, ...) stay inside the call;
-  * as root, a uid of its own per call (`_UID_BASE + pid * 256 + slot`), so RLIMIT_NPROC binds (it does
-    not for root), concurrent calls never share a process budget, and leftovers can be swept by uid
-    (trainers in different pid namespaces of one kernel could, rarely, draw the same uid). As a
-    non-root user the call keeps its uid inside its user namespace, where RLIMIT_NPROC counts only the
-    sandbox's own processes (Linux >= 5.14);
+  * a system-call policy (`_seccomp.py`, in every mode) refusing key management, new namespaces, every
+    socket family but AF_UNIX (netlink, vsock, AF_ALG, packet, inet, ...), `prlimit64` on other
+    processes, bpf, userfaultfd, perf_event_open, ptrace, io_uring, mounts, administration calls and
+    any call newer than the policy; a fresh, empty session keyring; a session and process group of its
+    own, so job-control tricks and kill(0, ...) stay inside the call;
+  * as root, a uid of its own per call (`_UID_BASE + pid * 256 + slot`; no account, no subordinate
+    range and no process has it, checked once per trainer process), which also owns the call's user
+    namespace: the kernel charges per-user quotas (inotify instances and watches, message-queue bytes,
+    pending signals, processes) of everything in a user namespace to its owner too, so a call cannot
+    use up the trainer's. RLIMIT_NPROC binds (it does not for root), concurrent calls never share a
+    process budget, and leftovers can be swept by uid. As a non-root user the call keeps its uid inside
+    its user namespace (the trainer's: an unprivileged process can map only itself), where RLIMIT_NPROC
+    counts only the sandbox's own processes (Linux >= 5.14);
+  * the call's share of per-user quotas, whoever owns its namespace: RLIMIT_SIGPENDING (`SIGPENDING`),
+    RLIMIT_MSGQUEUE (`MSGQUEUE_BYTES`), and inotify instances and watches set in its user namespace;
+  * init (pid 1 of the call) is root's as root, not dumpable (its /proc files are root's, whatever
+    the uid), and shows "otbrl-sandbox-init" as its command line; the launcher has no pid in the
+    call's pid namespace and gets its configuration through a pipe;
   * a scrubbed environment (PATH, HOME, TMPDIR, LANG only) and `python -I` (no PYTHON* variables, no
     user site); no file descriptors but stdin (/dev/null), stdout and stderr are inherited;
   * stdout and stderr each capped at `max_output_bytes`; past that the run is stopped (limit "output").
@@ -56,9 +66,11 @@ Pass `require_isolation=True` to get an error result instead of any of these.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -100,6 +112,11 @@ MAX_OPEN_FILES = 1 << 20
 # How often the supervisor reads the call's CPU time: the budget's overshoot is at most this times the
 # number of CPUs the call runs on.
 _CPU_POLL_S = 0.05
+# The call's share of per-user quotas that the kernel counts per uid (and again for the owner of the
+# call's user namespace): queued signals, and bytes of POSIX message queues (three queues of the
+# default size, 10 x 8 KiB).
+SIGPENDING = 256
+MSGQUEUE_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -135,7 +152,13 @@ class ToolResult:
         return self.error is None and self.exit_code == 0 and self.limit_hit is None
 
     def to_text(self) -> str:
-        """The observation for the model: output (stderr tail kept when both must be cut) + status."""
+        """The observation for the model: output (stderr tail kept when both must be cut) + status.
+
+        The status markers ("[stderr]", "[exit code N]", "[killed ...]", "[memory limit hit]", ...) are
+        lines of their own that start with "[" (or "(no output)"). A line of the code's own output that
+        looks like one of them -- ignoring case, leading white space, and splitting lines the way
+        `str.splitlines` does -- is shown with a backslash in front (`_defuse`), so a marker line is
+        always the sandbox's: a reward function that reads the text cannot be fooled by printed text."""
         if self.error is not None:
             return f"[sandbox error] {self.error}"
         out, err, budget = self.stdout, self.stderr, self.max_output_bytes
@@ -144,9 +167,9 @@ class ToolResult:
             keep_err = min(len(err), budget // 2 if out else budget)
             err = err[len(err) - keep_err :] if keep_err else ""
             out = out[: budget - keep_err]
-        parts = [out.rstrip("\n")] if out else []
+        parts = [_defuse(out.rstrip("\n"))] if out else []
         if err:
-            parts.append("[stderr]\n" + err.rstrip("\n"))
+            parts.append("[stderr]\n" + _defuse(err.rstrip("\n")))
         if self.truncated or cut:
             parts.append(f"[output truncated to {budget} bytes]")
         if self.limit_hit == "timeout":
@@ -300,6 +323,14 @@ def _run(
         if uid is not None:
             os.chown(workdir, uid, uid)  # used as is only when namespaces (and its tmpfs) are unavailable
         python = os.path.realpath(PYTHON or getattr(sys, "_base_executable", None) or sys.executable)
+        if cgroups.memory is not None and not _cgroup.kernel_memory_counted():
+            why = "the kernel was booted with cgroup.memory=nokmem"
+            if require_isolation:
+                raise RuntimeError(f"isolation required, but kernel memory is not counted ({why})")
+            notes.append(
+                f"kernel memory is not counted in the call's memory cgroup ({why}): socket buffers, "
+                "page tables and other kernel objects of the call are outside memory_mb"
+            )
         status_r, status_w = os.pipe()
         has_pids = cgroups.pids is not None
         cfg = {
@@ -327,21 +358,34 @@ def _run(
             "nproc": max_processes + (0 if uid is not None else 2) + (2 if has_pids else 0),
             "disk_kb": 4 * max_file_mb << 10,
             "max_inodes": 4096,
+            "sigpending": SIGPENDING,
+            "msgqueue": MSGQUEUE_BYTES,
             "require_isolation": require_isolation,
         }
+        # the configuration goes through a pipe, not the command line, which other processes can read;
+        # written whole before the launcher starts, so the pipe must hold it (64 KiB, or made larger)
+        config_r, config_w = os.pipe()
         try:
+            payload = json.dumps(cfg).encode()
+            try:
+                if len(payload) > 65536:
+                    fcntl.fcntl(config_w, fcntl.F_SETPIPE_SZ, len(payload))
+                os.write(config_w, payload)
+            finally:
+                os.close(config_w)
             proc = subprocess.Popen(
-                [python, "-I", "-S", _LAUNCHER, json.dumps(cfg)],
+                [python, "-I", "-S", _LAUNCHER, str(config_r), base],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                pass_fds=(status_w,),
+                pass_fds=(status_w, config_r),
                 start_new_session=True,
                 cwd=base,
                 env=dict(_ENV),
             )
         finally:
             os.close(status_w)
+            os.close(config_r)
         cpu_budget = (cpu_s, cgroups.cpu_seconds) if cgroups.cpu is not None else None
         out, err, status, killed_for = _collect(proc, status_r, start + timeout_s, cap, cpu_budget)
     finally:
@@ -531,21 +575,67 @@ def _remove(base: str) -> None:
 _slot_lock = threading.Condition()
 _slots_used: set[int] = set()
 _next_slot = 0
+_slots_free: tuple[int, set[int]] | None = None  # (pid, slots whose uid belongs to no one else)
+
+
+def _unused_slots() -> set[int]:
+    """The slots of this process's uid range (`_UID_BASE + pid * 256 + slot`) whose uid is nobody else's
+    (`_taken_uids`). Checked once per process (a fork gets its own range), before its first call: a
+    call's uid must own nothing else on the host, because the kernel charges per-user quotas to it, and
+    because a process running as it outside the call would hold every capability in the call's
+    namespaces (it owns them)."""
+    global _slots_free
+    if _slots_free is None or _slots_free[0] != os.getpid():
+        low = _UID_BASE + os.getpid() * _SLOTS
+        taken = _taken_uids(range(low, low + _SLOTS))
+        _slots_free = (os.getpid(), {slot for slot in range(_SLOTS) if low + slot not in taken})
+    return _slots_free[1]
+
+
+def _taken_uids(uids: range, passwd: str = "/etc/passwd", subuid: str = "/etc/subuid") -> set[int]:
+    """The uids of `uids` that belong to someone: an account in `passwd`, a subordinate range in
+    `subuid` (handed to a user for its own user namespaces), or a process (real, effective, saved or
+    filesystem uid) running as it now."""
+    taken: set[int] = set()
+    for path in (passwd, subuid):
+        try:
+            with open(path) as f:
+                lines = [line.split(":") for line in f if not line.startswith("#")]
+        except OSError:
+            continue
+        for fields in lines:
+            try:  # passwd: name:x:uid:...; subuid: name:first:count
+                start, count = (int(fields[2]), 1) if path == passwd else map(int, fields[1:3])
+            except (IndexError, ValueError):
+                continue
+            taken.update(range(max(start, uids.start), min(start + count, uids.stop)))
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                ids = next(line for line in f if line.startswith("Uid:")).split()[1:]
+        except (OSError, StopIteration):
+            continue
+        taken.update(u for u in map(int, ids) if u in uids)
+    return taken
 
 
 @contextmanager
 def _uid_slot() -> Iterator[int | None]:
-    """A uid no other live call uses (root only; None otherwise). Slots rotate, so a uid that still has
-    unreaped zombies (they count against RLIMIT_NPROC) is not handed out again at once. Blocks past
-    256 concurrent calls."""
+    """A uid of the call's own (root only; None otherwise): no other live call uses it, and it belongs to
+    nobody else on the host (`_unused_slots`). Slots rotate, so a uid that still has unreaped zombies
+    (they count against RLIMIT_NPROC) is not handed out again at once. Blocks past the number of free
+    slots (256 at most) of concurrent calls."""
     global _next_slot
     if os.geteuid() != 0:
         yield None
         return
     with _slot_lock:
-        while len(_slots_used) >= _SLOTS:
+        free = _unused_slots()
+        if not free:
+            raise RuntimeError(f"every uid of this process's range ({_UID_BASE} + pid * {_SLOTS}) is in use")
+        while len(_slots_used & free) >= len(free):
             _slot_lock.wait()
-        while _next_slot in _slots_used:
+        while _next_slot in _slots_used or _next_slot not in free:
             _next_slot = (_next_slot + 1) % _SLOTS
         slot = _next_slot
         _next_slot = (_next_slot + 1) % _SLOTS
@@ -556,6 +646,21 @@ def _uid_slot() -> Iterator[int | None]:
         with _slot_lock:
             _slots_used.discard(slot)
             _slot_lock.notify()
+
+
+# A line that reads like one of to_text's markers: "[" or "(" then one of their words.
+_MARKER_LIKE = re.compile(
+    r"[\[(]\s*(stderr|output\s+truncated|killed|exit\s+code|sandbox\s+error|no\s+output|\w+\s+limit\s+hit)",
+    re.IGNORECASE,
+)
+
+
+def _defuse(text: str) -> str:
+    """The code's text with a backslash before every line that looks like a marker of `to_text`. Lines
+    are split as `str.splitlines` splits them (\\r, form feeds, U+2028, ... too), so no reader that
+    splits lines finds a marker the code wrote."""
+    lines = text.splitlines(keepends=True)
+    return "".join("\\" + line if _MARKER_LIKE.match(line.lstrip()) else line for line in lines)
 
 
 def _signal_name(num: int) -> str:

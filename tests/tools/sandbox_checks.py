@@ -1,5 +1,5 @@
 """What the sandbox tests check around their calls: this session's sandbox processes and directories, that
-none survive a test module (tests/rollout/conftest.py runs the check after each sandbox module), and what
+none survive a test module (tests/tools/conftest.py runs the check after each sandbox module), and what
 a call's `notes` say it ran without.
 """
 

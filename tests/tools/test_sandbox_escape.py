@@ -1,11 +1,10 @@
 """Ways out of the sandbox and ways to bend its report, as root and as an unprivileged user.
 
-Each scenario runs in a fresh interpreter (`_scenario`): as the caller (root here), and, when the caller
-is root, again as `nobody` with the system's interpreter, once with per-call cgroups delegated to it
-(`nobody+cgroups`: the way an unprivileged trainer is meant to run) and where it matters once without
-any (`nobody`: the call must then say in `notes` what it could not contain, and `require_isolation=True`
-must refuse). The interpreter imports `otbrl.tools` through a stub parent package, so it needs neither
-torch nor a venv the unprivileged user can read.
+Each scenario runs in a fresh interpreter (`tests.tools.scenarios.scenario`): as the caller (root here),
+and, when the caller is root, again as `nobody` with the system's interpreter, once with per-call
+cgroups delegated to it (`nobody+cgroups`: the way an unprivileged trainer is meant to run) and where
+it matters once without any (`nobody`: the call must then say in `notes` what it could not contain,
+and `require_isolation=True` must refuse).
 
 A scenario is (setup, code, check): `setup` runs in that interpreter before the call (adding a key to
 its keyring, say) and may set `params`, which the code receives as `PARAMS`; `check` runs after it and
@@ -15,10 +14,8 @@ returned: it is our test code, so its output is evidence here, never for the san
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -29,159 +26,12 @@ from pathlib import Path
 import pytest
 
 from otbrl.tools import run_python
+from tests.tools.scenarios import WHO, assert_clean, needs_nr, scenario
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only"),
     pytest.mark.usefixtures("nothing_left_behind"),
 ]
-
-REPO = Path(__file__).resolve().parents[2]
-NOBODY = 65534
-# System-call numbers from the kernel's headers (asm/unistd_64.h; asm-generic/unistd.h for aarch64).
-NR = {
-    "x86_64": {
-        "add_key": 248,
-        "keyctl": 250,
-        "unshare": 272,
-        "clone": 56,
-        "setns": 308,
-        "bpf": 321,
-        "userfaultfd": 323,
-        "perf_event_open": 298,
-        "ptrace": 101,
-        "shmget": 29,
-        "clone3": 435,
-    },
-    "aarch64": {
-        "add_key": 217,
-        "keyctl": 219,
-        "unshare": 97,
-        "clone": 220,
-        "setns": 268,
-        "bpf": 280,
-        "userfaultfd": 282,
-        "perf_event_open": 241,
-        "ptrace": 117,
-        "shmget": 194,
-        "clone3": 435,
-    },
-}.get(platform.machine())
-needs_nr = pytest.mark.skipif(NR is None, reason=f"syscall numbers not listed for {platform.machine()}")
-
-RUNNER = r"""
-import dataclasses, json, os, sys, tempfile, types
-spec = json.loads(sys.stdin.read())
-pkg = types.ModuleType("otbrl")  # the package without its __init__ (torch): only otbrl.tools is needed
-pkg.__path__ = [os.path.join(spec["repo"], "otbrl")]
-sys.modules["otbrl"] = pkg
-from otbrl.tools import _cgroup, run_python, sandbox
-env = {"NR": spec["nr"], "sandbox": sandbox, "params": {}}
-exec(spec["setup"], env)
-code = "PARAMS = %r\n" % (env["params"],) + spec["code"]
-result = run_python(code, **spec["kwargs"])
-env["result"] = result
-exec(spec["check"], env)
-mark = f"otbrl-sandbox-{os.getpid()}-"
-left = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(mark)] + _cgroup.leftovers()
-print(json.dumps({**dataclasses.asdict(result), "check": env.get("check"), "leftovers": left}))
-"""
-
-
-def _delegated_cgroups() -> str | None:
-    """Per-controller v1 directories (memory, pids, cpuacct) made by root and handed to `nobody`, the
-    way a delegated subtree is set up; joined by os.pathsep for OTBRL_SANDBOX_CGROUP. None where this
-    machine has no such v1 controllers (then `nobody+cgroups` is skipped)."""
-    made = []
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        for name in ("memory", "pids", "cpuacct"):
-            base = Path("/sys/fs/cgroup") / name
-            if name in controllers.split(",") and (base / "cgroup.procs").exists():
-                d = base / path.lstrip("/") / f"otbrl-test-nobody-{os.getpid()}"
-                d.mkdir(exist_ok=True)
-                for f in [d, *d.iterdir()]:
-                    os.chown(f, NOBODY, NOBODY)
-                made.append(str(d))
-    return os.pathsep.join(made) if len(made) == 3 else None
-
-
-@pytest.fixture(scope="module")
-def delegated():
-    if os.geteuid() != 0:
-        yield None
-        return
-    try:
-        found = _delegated_cgroups()
-    except OSError:
-        found = None
-    yield found
-    for d in (found or "").split(os.pathsep):
-        if d:
-            for _ in range(100):
-                try:
-                    os.rmdir(d)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.05)
-
-
-WHO = ["caller", "nobody+cgroups"]
-
-
-def _others_may_read(path: Path) -> bool:
-    """Whether a uid that is neither owner nor group member can reach and read `path`."""
-    dirs = [p for p in path.resolve().parents]
-    return all(os.stat(d).st_mode & 0o001 for d in dirs) and bool(os.stat(path).st_mode & 0o004)
-
-
-def _scenario(who, delegated, code, *, setup="", check="", **kwargs) -> dict:
-    """Run one call as `who` in a fresh interpreter; the ToolResult's fields, `check` and `leftovers`."""
-    kwargs.setdefault("timeout_s", 10)
-    spec = {
-        "repo": str(REPO),
-        "nr": NR or {},
-        "setup": textwrap.dedent(setup),
-        "code": textwrap.dedent(code),
-        "check": textwrap.dedent(check),
-        "kwargs": kwargs,
-    }
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-    python, user = sys.executable, None
-    if who != "caller":
-        if os.geteuid() != 0:
-            pytest.skip("already unprivileged: the 'caller' case is the unprivileged run")
-        python, user = "/usr/bin/python3", NOBODY
-        if not os.access(python, os.X_OK):
-            pytest.skip("no system interpreter to run as nobody")
-        if not _others_may_read(REPO / "otbrl" / "tools" / "sandbox.py"):
-            pytest.skip(f"{REPO} is not readable by other users (a checkout under /root, say)")
-        if who == "nobody+cgroups":
-            if delegated is None:
-                pytest.skip("no v1 memory, pids and cpuacct hierarchies to delegate here")
-            env["OTBRL_SANDBOX_CGROUP"] = delegated
-    proc = subprocess.run(
-        [python, "-I", "-c", RUNNER],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        cwd="/",
-        env=env,
-        user=user,
-        group=user,
-        extra_groups=[] if user is not None else None,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.splitlines()[-1])
-    assert out["leftovers"] == [], out["leftovers"]
-    return out
-
-
-def _assert_clean(out: dict) -> None:
-    """The sandbox itself did not fail, and no model text reached `error`."""
-    assert out["error"] is None, out
 
 
 # ---------------------------------------------------------------- 1. kernel keyrings
@@ -228,8 +78,8 @@ KEY_CHECK = """
 @pytest.mark.parametrize("who", WHO)
 def test_the_callers_keyrings_are_out_of_reach(who, delegated):
     setup = KEY_SETUP + '    params["nr"] = NR\n'
-    out = _scenario(who, delegated, KEY_ATTACK, setup=setup, check=KEY_CHECK)
-    _assert_clean(out)
+    out = scenario(who, delegated, KEY_ATTACK, setup=setup, check=KEY_CHECK)
+    assert_clean(out)
     calls = dict(line.split(" ", 2)[:2] for line in out["stdout"].splitlines())
     assert all(int(v) == -1 for v in calls.values()), out["stdout"]  # every key syscall refused
     assert "secret" not in out["stdout"]
@@ -282,8 +132,8 @@ NAMESPACE_ATTACK = """
 @needs_nr
 @pytest.mark.parametrize("who", WHO)
 def test_no_new_namespaces_raw_sockets_or_kernel_interfaces(who, delegated):
-    out = _scenario(who, delegated, NAMESPACE_ATTACK, setup="params = {'nr': NR}")
-    _assert_clean(out)
+    out = scenario(who, delegated, NAMESPACE_ATTACK, setup="params = {'nr': NR}")
+    assert_clean(out)
     lines = out["stdout"].splitlines()
     refused = [line for line in lines if line.endswith("refused")]
     assert len(refused) == len(lines) - 1, out["stdout"]  # everything but the limit line
@@ -294,17 +144,19 @@ def test_no_new_namespaces_raw_sockets_or_kernel_interfaces(who, delegated):
 
 def test_ordinary_processes_threads_and_sockets_still_work():
     code = """
-        import socket, subprocess, threading
+        import multiprocessing.connection, socket, subprocess, threading
         t = threading.Thread(target=print, args=("thread",))
         t.start(); t.join()
         a, b = socket.socketpair()
         a.send(b"pair"); print(b.recv(4).decode())
-        s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1); print("tcp")
+        with multiprocessing.connection.Listener("listener", "AF_UNIX") as server:  # a unix stream server
+            with multiprocessing.connection.Client("listener", "AF_UNIX") as client:
+                client.send("unix"); print(server.accept().recv())
         print(subprocess.run(["echo", "child"], capture_output=True, text=True).stdout.strip())
     """
     result = run_python(textwrap.dedent(code), timeout_s=20)
     assert result.ok, result.to_text()
-    assert result.stdout.split() == ["thread", "pair", "tcp", "child"]
+    assert result.stdout.split() == ["thread", "pair", "unix", "child"]
 
 
 # ---------------------------------------------------------------- 3. signals to the supervisor
@@ -351,8 +203,8 @@ KILL_AROUND = """
 @pytest.mark.parametrize("who", WHO)
 @pytest.mark.parametrize("code", [ORPHANED_GROUP, KILL_AROUND], ids=["orphaned-group-sighup", "kill-0-1-all"])
 def test_signals_cannot_reach_init_or_the_launcher(who, delegated, code):
-    out = _scenario(who, delegated, code)
-    _assert_clean(out)
+    out = scenario(who, delegated, code)
+    assert_clean(out)
     assert out["exit_code"] == 0 and out["stdout"] == "finished\n", out
 
 
@@ -375,10 +227,10 @@ OOM_VICTIM = """
 
 @pytest.mark.parametrize("who", WHO)
 def test_the_code_cannot_make_the_oom_killer_take_the_supervisor(who, delegated):
-    out = _scenario(who, delegated, OOM_VICTIM, memory_mb=64, max_file_mb=64)
+    out = scenario(who, delegated, OOM_VICTIM, memory_mb=64, max_file_mb=64)
     if any("memory cgroup" in n for n in out["notes"]):
         pytest.skip(f"no memory cgroup: {out['notes']}")
-    _assert_clean(out)
+    assert_clean(out)
     assert out["limit_hit"] == "memory" and "MODEL TEXT" not in str(out["error"]), out
     assert "oom_score_adj -1000 refused" in out["stdout"]
 
@@ -447,8 +299,8 @@ THREADS = """
 
 @pytest.mark.parametrize("who", WHO)
 def test_threads_count_against_the_process_limit_and_are_reported(who, delegated):
-    out = _scenario(who, delegated, THREADS, max_processes=8)
-    _assert_clean(out)
+    out = scenario(who, delegated, THREADS, max_processes=8)
+    assert_clean(out)
     assert out["stdout"].startswith("refused after"), out
     assert int(out["stdout"].split()[2]) < 8
     assert out["limit_hit"] == "processes", out
@@ -468,8 +320,8 @@ CPU_BURN = """
 
 @pytest.mark.parametrize("who", WHO)
 def test_one_cpu_budget_for_all_processes_of_a_call(who, delegated):
-    out = _scenario(who, delegated, CPU_BURN, cpu_s=1, timeout_s=30)
-    _assert_clean(out)
+    out = scenario(who, delegated, CPU_BURN, cpu_s=1, timeout_s=30)
+    assert_clean(out)
     assert out["limit_hit"] == "cpu", out
     assert out["cpu_used_s"] is not None and 1 <= out["cpu_used_s"] < 2, out
     assert out["duration_s"] < 20
@@ -488,12 +340,12 @@ WITHOUT_CGROUPS = """
 
 
 def test_an_unprivileged_call_without_cgroups_says_what_it_cannot_bound(delegated):
-    out = _scenario("nobody", delegated, WITHOUT_CGROUPS)
-    _assert_clean(out)
+    out = scenario("nobody", delegated, WITHOUT_CGROUPS)
+    assert_clean(out)
     notes = " ".join(out["notes"])
     for what in ("memory cgroup", "pids cgroup", "cpu accounting"):
         assert what in notes, notes
-    refused = _scenario("nobody", delegated, WITHOUT_CGROUPS, require_isolation=True)
+    refused = scenario("nobody", delegated, WITHOUT_CGROUPS, require_isolation=True)
     assert refused["error"] is not None and refused["stdout"] == ""
 
 
@@ -672,11 +524,19 @@ def test_the_seccomp_program_decides_as_documented(machine):
     assert run("clone", (0x3D0F00,)) == ALLOW  # a thread (CLONE_VM | CLONE_THREAD | ...)
     for flag in (0x10000000, 0x20000000, 0x40000000, 0x20000, 0x80, 0x02000000, 0x04000000, 0x08000000):
         assert run("clone", (flag | 17,)) == EPERM, hex(flag)
-    assert run("socket", (2, 1)) == ALLOW  # AF_INET, SOCK_STREAM
-    assert run("socket", (1, 0o2000001)) == ALLOW  # AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC
-    assert run("socket", (17, 2)) == EPERM  # AF_PACKET, SOCK_DGRAM
-    assert run("socket", (2, 3 | 0o4000)) == EPERM  # AF_INET, SOCK_RAW | SOCK_NONBLOCK
-    assert run("socket", (2, 10)) == EPERM  # SOCK_PACKET
+    for call in ("socket", "socketpair"):
+        assert run(call, (1, 0o2000001)) == ALLOW  # AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC
+        assert run(call, (1, 2)) == ALLOW and run(call, (1, 5)) == ALLOW  # SOCK_DGRAM, SOCK_SEQPACKET
+        assert run(call, (1, 3)) == EPERM  # AF_UNIX, SOCK_RAW
+        # every other family, whatever the type: inet, inet6, netlink, packet, AF_ALG, vsock, AF_XDP
+        for family in (2, 10, 16, 17, 38, 40, 44, 0, 46, 0xFFFF):
+            for kind in (1, 2, 3, 5 | 0o4000):
+                assert run(call, (family, kind)) == EPERM, (call, family, kind)
+        assert run(call, ((1 << 32) | 16, 2)) == EPERM  # the kernel reads an int: netlink, not AF_UNIX
+    assert run("socketpair", (1, 1), p=fallback) == ALLOW and run("socketpair", (16, 2), p=fallback) == EPERM
+    assert run("prlimit64", (0, 7)) == ALLOW  # the caller's own limits (what setrlimit does)
+    for pid in (1, 2, 12345, -1, 0xFFFFFFFF):
+        assert run("prlimit64", (pid, 7)) == EPERM, pid  # init, the launcher, anyone else
     assert run("shmget") == ALLOW and run("shmget", p=fallback) == EPERM
     assert run("socket", (1, 1), p=fallback) == EACCES
     assert run(_seccomp.MAX_KNOWN + 1) == ENOSYS  # newer than this policy: refused until reviewed

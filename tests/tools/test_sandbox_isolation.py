@@ -19,7 +19,7 @@ import pytest
 
 from otbrl.tools import _cgroup, run_python, sandbox
 from otbrl.tools._launcher import _reachable
-from tests.rollout.sandbox_checks import isolated, leftover_dirs, memcg, sandbox_processes
+from tests.tools.sandbox_checks import isolated, leftover_dirs, memcg, sandbox_processes
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only"),
