@@ -37,13 +37,35 @@ REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
 # System-call numbers from the kernel's headers (asm/unistd_64.h; asm-generic/unistd.h for aarch64).
 NR = {
-    "x86_64": {"add_key": 248, "keyctl": 250, "unshare": 272, "clone": 56, "setns": 308, "bpf": 321,
-               "userfaultfd": 323, "perf_event_open": 298, "ptrace": 101, "shmget": 29, "clone3": 435,
-               "prlimit64": 302},
-    "aarch64": {"add_key": 217, "keyctl": 219, "unshare": 97, "clone": 220, "setns": 268, "bpf": 280,
-                "userfaultfd": 282, "perf_event_open": 241, "ptrace": 117, "shmget": 194, "clone3": 435,
-                "prlimit64": 261},
-}.get(platform.machine())  # fmt: skip
+    "x86_64": {
+        "add_key": 248,
+        "keyctl": 250,
+        "unshare": 272,
+        "clone": 56,
+        "setns": 308,
+        "bpf": 321,
+        "userfaultfd": 323,
+        "perf_event_open": 298,
+        "ptrace": 101,
+        "shmget": 29,
+        "clone3": 435,
+        "prlimit64": 302,
+    },
+    "aarch64": {
+        "add_key": 217,
+        "keyctl": 219,
+        "unshare": 97,
+        "clone": 220,
+        "setns": 268,
+        "bpf": 280,
+        "userfaultfd": 282,
+        "perf_event_open": 241,
+        "ptrace": 117,
+        "shmget": 194,
+        "clone3": 435,
+        "prlimit64": 261,
+    },
+}.get(platform.machine())
 needs_nr = pytest.mark.skipif(NR is None, reason=f"syscall numbers not listed for {platform.machine()}")
 WHO = ["caller", "nobody+cgroups"]
 
