@@ -30,6 +30,7 @@ from studies.experiment import arm_names, load_experiment
 from studies.inference import (
     HELD,
     INCONCLUSIVE,
+    MATCHES_RULE,
     NOT_HELD,
     NOT_TESTED,
     Interval,
@@ -37,7 +38,9 @@ from studies.inference import (
     rule,
     t_interval,
     verdict,
+    verdict_text,
 )
+from studies.multiplicity import holm, p_above, p_ratio_below
 from studies.outcomes import cells, critical_lr, split, stability_verdict
 from studies.pages import kilo, markdown_table
 from studies.variance_page import GROUP_MEAN, command, ratio_name, task_horizon
@@ -91,10 +94,10 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
             f"`python -m studies compare {experiment}`"
         )
     task = horizon(res, exp.recipe)
-    missing = phenomenon_missing(res, exp)
     note = provenance(res, exp)
     rows = []
     for c in res["comparisons"]:
+        missing, cv_text = phenomenon_missing(res, exp, (c["candidate"], c["baseline"]))
         parts = []
         for h in c["heldout"]:
             at = kilo(h["budget"]) + (
@@ -115,18 +118,31 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
                     f"{arm} train reward {statistics.fmean(a['start']):.2f} → "
                     f"{statistics.fmean(a['final']):.2f}"
                 )
+        for k in c.get("controls", []):  # same-N baselines on the same test (issue 33)
+            h = next(
+                (h for h in k["heldout"] if h.get("primary")), k["heldout"][-1] if k["heldout"] else None
+            )
+            if h is not None:
+                parts.append(
+                    f"same-N control {k['arm']} − {c['baseline']} on the same test: "
+                    f"{_interval(h['interval'])} ({k['verdict']})"
+                )
+        if cv_text:
+            parts.append(cv_text)
         seeds = max((h["interval"]["n"] for h in c["heldout"]), default=0)
         measured = (
             f"{task}; {c['candidate']} − {c['baseline']}, paired over {seeds} seeds, mean "
             f"[{exp.confidence:.0%} CI]: " + "; ".join(parts) + "." + (f" {note}" if note else "")
         )
         why = rule(c["kind"], c.get("margin", 0.0), exp.confidence)
+        if c.get("controls"):
+            why += f", {MATCHES_RULE} (an analysis rule of issue 33, applied after these runs)"
         decides = (
             "the primary endpoint decides; secondary ones are reported, not counted"
             if "primary" in c
             else "all endpoints must agree (registered before primary endpoints)"
         )
-        result = c["verdict"]
+        result = verdict_text(c)
         if missing:
             result, decides = NOT_TESTED, f"{decides}; not tested: {missing}"
         if c.get("interim"):  # in the bold verdict, so the README's headline carries it too
@@ -142,18 +158,88 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
     return rows
 
 
-def phenomenon_missing(res: dict[str, Any], exp: Any) -> str:
-    """Why the phenomenon the protocol requires (`phenomenon: {length_cv_run: 0.3}`) did not show in the
-    runs (the mean over every run of every arm), or "" when it did or none is required."""
-    out = []
+def comparison_pvalues(res: dict[str, Any], experiment: str) -> dict[tuple[str, str], float]:
+    """{(claim, command): two-sided p} of each comparison's deciding endpoint (the primary one, else the
+    last budget) against its decision point: 0 for `better`, -margin for `matches`."""
+    out = {}
+    for c in res.get("comparisons", []):
+        ends = c["heldout"]
+        h = next((h for h in ends if h.get("primary")), ends[-1] if ends else None)
+        if h is None:
+            continue
+        floor = 0.0 if c["kind"] == "better" else -abs(float(c.get("margin", 0.0)))
+        key = (c.get("claim", c["name"]), f"`python -m studies compare {experiment}`")
+        out[key] = p_above(h["interval"], floor)
+    return out
+
+
+def variance_pvalue(res: dict[str, Any]) -> dict[tuple[str, str], float]:
+    """{(claim (a), command): p}: every N must be below 1, so the claim's p is the largest over N."""
+    ivs = intervals(res, ratio_name("otb", GROUP_MEAN))
+    ps = [p_ratio_below(iv) for _, iv in ivs]
+    p = max(ps) if ps and all(q == q for q in ps) else math.nan
+    return {(variance_claim(res)[0], _command(res)): p}
+
+
+def holm_section(rows: list[Row], pvalues: dict[tuple[str, str], float]) -> list[str]:
+    """The Holm-adjusted verdicts beside the raw ones, over every tested claim (m)."""
+    raw = [re.match(r"\*\*([^*]+)\*\*", r[2]) for r in rows]
+    tested = [
+        (r, m.group(1))
+        for r, m in zip(rows, raw, strict=True)
+        if m and not m.group(1).startswith((NOT_TESTED, "see the numbers"))
+    ]
+    ps = [pvalues.get((r[0], r[3]), math.nan) for r, _ in tested]
+    rejected = holm(ps)
+    table = []
+    for (r, verdict_now), p, ok in zip(tested, ps, rejected, strict=True):
+        if p != p:
+            adjusted = (
+                f"{verdict_now} (no single p-value: not adjusted)"
+                if verdict_now.startswith(HELD)
+                else verdict_now
+            )
+        elif verdict_now.startswith(HELD):
+            adjusted = HELD if ok else f"{INCONCLUSIVE} after Holm"
+        else:
+            adjusted = verdict_now
+        table.append([r[0], r[3], verdict_now, "—" if p != p else f"{p:.2g}", adjusted])
+    return [
+        f"**Multiplicity.** {len(tested)} claims are tested on this page (rows that read not tested or see "
+        "the numbers are not). Holm's step-down procedure over all of them keeps the chance of any false "
+        "**held** at 5%: the p-value of each interval-based claim is the two-sided one that matches its "
+        "95% rule (for (a): the largest over N); a claim whose verdict rests on no single interval counts "
+        "in m and is not adjusted.",
+        "",
+        markdown_table(
+            ["claim", "command", "raw verdict", "p", "Holm-adjusted (family-wise 5%)"], table, aligned=False
+        ),
+    ]
+
+
+def phenomenon_missing(res: dict[str, Any], exp: Any, arms: tuple[str, ...]) -> tuple[str, str]:
+    """(why the phenomenon the protocol requires, e.g. `phenomenon: {length_cv_run: 0.3}`, did not show
+    in the compared arms' runs, or "" when it did or none is required; the per-arm means in words). The
+    floor is read per comparison, over the runs of its two arms (issue 33: before, all arms were pooled,
+    so one arm's long-varying runs could carry another's)."""
+    out, shown = [], []
     for key, floor in (exp.phenomenon or {}).items():
-        values = [v for a in res["arms"].values() for v in a.get(key, []) if v is not None and v == v]
+        per_arm = {
+            a: [v for v in res["arms"].get(a, {}).get(key, []) if v is not None and v == v] for a in arms
+        }
+        values = [v for vals in per_arm.values() for v in vals]
         if not values:
             out.append(f"{key} not measured")
-        elif statistics.fmean(values) < float(floor):
-            mean = statistics.fmean(values)
-            out.append(f"{key} {mean:.2f} < {float(floor):g} (the phenomenon did not show)")
-    return "; ".join(out)
+            continue
+        mean = statistics.fmean(values)
+        each = ", ".join(f"{a} {statistics.fmean(v):.3f}" for a, v in per_arm.items() if v)
+        shown.append(f"{key} (floor {float(floor):g}): {each}; over both arms' runs {mean:.3f}")
+        if mean < float(floor):
+            out.append(
+                f"{key} {mean:.2f} < {float(floor):g} over the compared arms' runs "
+                "(the phenomenon did not show)"
+            )
+    return "; ".join(out), "; ".join(shown)
 
 
 # Results made before protocols were registered and stamped (issue 22): what the history says about them.
@@ -604,6 +690,13 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
     add(ladder, "ladder", lr_decay_row)
     if var is not None:
         rows.append(loo_question(var))
+    pvalues: dict[tuple[str, str], float] = {}
+    for study, name in ((smollm2, "smollm2"), (walk3, "walk3"), (tir2, "tir2"), (walk, "walk"), (tir, "tir")):
+        if study is not None and name not in superseded:
+            pvalues.update(comparison_pvalues(study, name))
+    for study in (var, var_walk):
+        if study is not None:
+            pvalues.update(variance_pvalue(study))
     lines = [
         "# The paper's claims, measured here",
         "",
@@ -630,6 +723,8 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         "",
         "Each row's interval is a 95% t confidence interval over paired seeds; in the linked pages' arm "
         'tables, "±" is the standard deviation across seeds, not an interval.',
+        "",
+        *holm_section(rows, pvalues),
         "",
         "**Protocol changes after a first run started.**",
         "",

@@ -23,7 +23,7 @@ from studies.experiment import (
     plan,
     variance_plan,
 )
-from studies.inference import power_plan, rule
+from studies.inference import power_plan, rule, verdict_text
 from studies.outcomes import (
     SURGE_HISTORY,
     SURGE_SMOOTH,
@@ -126,6 +126,15 @@ def table(exp: Experiment, result: dict[str, Any]) -> str:
     return markdown_table(head, rows, aligned=False)
 
 
+CONTROLS_NOTE = (
+    "Same-N controls (issue 33): a `matches` claim reads **held** only if no same-N baseline (the YAML's "
+    "`same_n_baseline` role, each arm at its own rate) passes the same test against the same reference; "
+    "if one does, the test cannot single out OTB and the claim reads **not discriminating**. This rule was "
+    "added after walk3, tir2 and smollm2 had run: for them it is an analysis change, applied to their "
+    "committed records; for experiments registered since, it is part of the protocol."
+)
+
+
 def comparisons_table(result: dict[str, Any]) -> str:
     """One row per paired endpoint of each comparison: the mean difference, its interval, the verdict."""
     rows = []
@@ -150,13 +159,21 @@ def comparisons_table(result: dict[str, Any]) -> str:
                 + (" (secondary)" if "primary" in c else "")
             )
             rows.append([c["name"], endpoint, t["interval"].text(thousands=True), t["verdict"]])
+        for k in c.get("controls", []):
+            for h in k["heldout"]:
+                if h.get("primary") or "primary" not in c:
+                    at = kilo(h["budget"]) + f" vs {kilo(h['baseline_budget'])}"
+                    endpoint = f"same-N control: held-out reward @{at}, {k['arm']} − {c['baseline']}"
+                    rows.append([c["name"], endpoint, str(h["interval"]), h["verdict"]])
         kind = c["kind"] + (f", margin {c['margin']:g}" if c["kind"] == "matches" else "")
+        if c.get("controls"):
+            kind += "; held only if no same-N control passes"
         rows.append(
             [
                 c["name"],
                 "**verdict**",
                 kind,
-                f"**{c['verdict']}**" + (f" ({c['interim']})" if c.get("interim") else ""),
+                f"**{verdict_text(c)}**" + (f" ({c['interim']})" if c.get("interim") else ""),
             ]
         )
     return markdown_table(["comparison", "endpoint", "mean [95% CI] (seeds)", "verdict"], rows, aligned=False)
@@ -326,6 +343,8 @@ def report(
             f"Paired comparisons ({exp.confidence:.0%} t intervals over seeds):\n\n"
             + comparisons_table(result)
         )
+        if any(c.get("controls") for c in result["comparisons"]):
+            parts.append(CONTROLS_NOTE)
         parts += (
             [where_table(result)]
             if any(h.get("by_where") for c in result["comparisons"] for h in c["heldout"])
@@ -390,7 +409,11 @@ def to_json(result: dict[str, Any]) -> dict[str, Any]:
     for c in result["comparisons"]:
         heldout = [{**h, "interval": _interval(h["interval"])} for h in c["heldout"]]
         tokens = [{**t, "interval": _interval(t["interval"])} for t in c["tokens"]]
-        comparisons.append({**c, "heldout": heldout, "tokens": tokens})
+        controls = [
+            {**k, "heldout": [{**h, "interval": _interval(h["interval"])} for h in k["heldout"]]}
+            for k in c.get("controls", [])
+        ]
+        comparisons.append({**c, "heldout": heldout, "tokens": tokens, "controls": controls})
     reg = result.get("registration")
     return {
         "arms": result["arms"],

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 HELD, NOT_HELD, INCONCLUSIVE, NOT_TESTED = "held", "did not hold", "inconclusive", "not tested"
+NOT_DISCRIMINATING = "not discriminating"  # a `matches` claim that a same-N baseline passes too
 
 
 def scipy_stats() -> Any:
@@ -115,6 +116,29 @@ def rule(kind: str, margin: float = 0.0, confidence: float = 0.95) -> str:
         f"held if {ci} lies above -{abs(margin):g}, did not hold if below -{abs(margin):g}, "
         "inconclusive otherwise, not tested if fewer than 2 seeds pair up"
     )
+
+
+def discriminating(candidate: str, controls: Mapping[str, str]) -> str:
+    """A `matches` verdict that singles out the candidate (issue 33): `candidate` is its own verdict against
+    the reference, `controls` each same-N baseline's verdict on the same test. Held only if the candidate
+    passes and no same-N baseline does; if one does too, the test cannot tell them apart."""
+    if candidate == HELD and any(v == HELD for v in controls.values()):
+        return NOT_DISCRIMINATING
+    return candidate
+
+
+def verdict_text(c: Mapping[str, Any]) -> str:
+    """A comparison's verdict, naming the same-N baselines that make a `matches` claim not discriminating."""
+    if c["verdict"] != NOT_DISCRIMINATING:
+        return c["verdict"]
+    passing = [k["arm"] for k in c.get("controls", []) if k["verdict"] == HELD]
+    return f"{NOT_DISCRIMINATING}: {', '.join(passing)} passes too"
+
+
+MATCHES_RULE = (
+    "and held only if no same-N baseline (each at its own rate) passes the same test against the same "
+    "reference: if one does, not discriminating"
+)
 
 
 def combine(verdicts: list[str]) -> str:

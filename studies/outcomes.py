@@ -32,8 +32,8 @@ import numpy as np
 
 from otbrl.app.metrics import moving_average, read_metrics
 from otbrl.app.plots import MARKERS, STYLES, pyplot, save
-from studies.experiment import Experiment
-from studies.inference import NOT_TESTED, Interval, combine, paired, t_interval, verdict
+from studies.experiment import Experiment, arm_names
+from studies.inference import NOT_TESTED, Interval, combine, discriminating, paired, t_interval, verdict
 from studies.pages import markdown_table, read_record
 from studies.runs import Run, environment_label, has_record, record_path
 
@@ -254,29 +254,8 @@ def compare_arms(
     tested endpoint must agree."""
     kind, margin = spec.get("kind", "better"), float(spec.get("margin", 0.0))
     cand, base = per_arm.get(spec["candidate"], []), per_arm.get(spec["baseline"], [])
-    budgets = [int(b) for b in spec.get("budgets", [])]
-    base_budgets = [int(b) for b in spec.get("baseline_budgets", budgets)]
-    heldout, verdicts = [], []
-    for b, bb in zip(budgets, base_budgets, strict=True):
-        diffs = paired(
-            _seed_values(cand, lambda r, b=b: r["heldout"].get(b)),
-            _seed_values(base, lambda r, bb=bb: r["heldout"].get(bb)),
-        )
-        ci = t_interval(diffs, exp.confidence)
-        v = verdict(kind, ci, margin)
-        heldout.append(
-            {
-                "budget": b,
-                "baseline_budget": bb,
-                "interval": ci,
-                "verdict": v,
-                "primary": "primary" in spec and int(spec["primary"]) == b,
-                "by_where": by_where(
-                    cand, base, lambda r, b=b: r["heldout"].get(b), lambda r, bb=bb: r["heldout"].get(bb)
-                ),
-            }
-        )
-        verdicts.append(v)
+    heldout = _heldout_endpoints(exp, spec, cand, base)
+    verdicts = [h["verdict"] for h in heldout]
     tokens = []
     for th in exp.thresholds if kind == "better" else []:
         saved = paired(
@@ -291,10 +270,15 @@ def compare_arms(
         v = verdict(kind, ci)
         tokens.append({"threshold": th, "interval": ci, "verdict": v, "reached": reached})
         verdicts.append(v)
-    if "primary" in spec:
-        overall = next(h["verdict"] for h in heldout if h["primary"])
-    else:
-        overall = combine(verdicts) if verdicts else NOT_TESTED
+    overall = _decide(spec, heldout, verdicts)
+    controls = []
+    if kind == "matches":  # the same test for each same-N baseline (issue 33's rule)
+        for arm in same_n_baselines(exp, spec):
+            ends = _heldout_endpoints(exp, {**spec, "candidate": arm}, per_arm.get(arm, []), base)
+            controls.append(
+                {"arm": arm, "heldout": ends, "verdict": _decide(spec, ends, [h["verdict"] for h in ends])}
+            )
+        overall = discriminating(overall, {c["arm"]: c["verdict"] for c in controls})
     # A verdict read before every planned seed has run is a look at the data, not the result: said so.
     both = (spec["candidate"], spec["baseline"])  # --quick may drop an arm: then nothing was planned
     planned = min(len(exp.arm_seeds(a)) if a in exp.arms else 0 for a in both)
@@ -306,9 +290,47 @@ def compare_arms(
         "margin": margin,
         "heldout": heldout,
         "tokens": tokens,
+        "controls": controls,
         "verdict": overall,
         "interim": interim,
     }
+
+
+def same_n_baselines(exp: Experiment, spec: dict[str, Any]) -> list[str]:
+    """The arms the YAML's `same_n_baseline` role names, other than the comparison's own two."""
+    named = arm_names(exp.roles.get("same_n_baseline", []))
+    return [a for a in named if a not in (spec["candidate"], spec["baseline"])]
+
+
+def _heldout_endpoints(
+    exp: Experiment, spec: dict[str, Any], cand: list[dict[str, Any]], base: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The paired held-out endpoints of candidate against baseline at each of the spec's budgets."""
+    kind, margin = spec.get("kind", "better"), float(spec.get("margin", 0.0))
+    budgets = [int(b) for b in spec.get("budgets", [])]
+    base_budgets = [int(b) for b in spec.get("baseline_budgets", budgets)]
+    out = []
+    for b, bb in zip(budgets, base_budgets, strict=True):
+        mine, theirs = (lambda r, b=b: r["heldout"].get(b)), (lambda r, bb=bb: r["heldout"].get(bb))
+        ci = t_interval(paired(_seed_values(cand, mine), _seed_values(base, theirs)), exp.confidence)
+        out.append(
+            {
+                "budget": b,
+                "baseline_budget": bb,
+                "interval": ci,
+                "verdict": verdict(kind, ci, margin),
+                "primary": "primary" in spec and int(spec["primary"]) == b,
+                "by_where": by_where(cand, base, mine, theirs),
+            }
+        )
+    return out
+
+
+def _decide(spec: dict[str, Any], heldout: list[dict[str, Any]], verdicts: list[str]) -> str:
+    """The primary endpoint decides; without one (older protocols) every tested endpoint must agree."""
+    if "primary" in spec:
+        return next(h["verdict"] for h in heldout if h["primary"])
+    return combine(verdicts) if verdicts else NOT_TESTED
 
 
 def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> dict[str, Any]:

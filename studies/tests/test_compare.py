@@ -418,3 +418,44 @@ def test_ladder_figure_has_a_column_per_rung_and_marks_events(monkeypatch, tmp_p
     assert [ln.get_xdata()[0] for ln in marks(length_bottom_right, "v")] == [7]
     # a's two seeds and its mean in the left reward panel; the mean is labelled with n
     assert len(axes[0].lines) == 3 and axes[0].lines[-1].get_label() == "a (n=2)"
+
+
+def test_a_matches_claim_that_a_same_n_baseline_passes_too_is_not_discriminating(tmp_path) -> None:
+    """Issue 33's rule: OTB matching the large group is informative only if the same-N baselines do
+    not; a baseline that passes the same test makes the claim "not discriminating", named."""
+    spec = {
+        "name": "m",
+        "kind": "matches",
+        "margin": 0.05,
+        "candidate": "otb",
+        "baseline": "big",
+        "budgets": [400],
+        "baseline_budgets": [1600],
+        "primary": 400,
+    }
+    flat = [0.5] * 10
+    for strong_grpo, expected in ((True, "not discriminating"), (False, "held")):
+        root = tmp_path / str(strong_grpo)
+        exp = Experiment(
+            name="t",
+            recipe="demo",
+            arms={"otb": {}, "grpo": {}, "big": {}},
+            seeds=[0, 1, 2],
+            smooth=1,
+            comparisons=[spec],
+            roles={"candidate": "otb", "same_n_baseline": ["grpo"]},
+        )
+        runs = []
+        for seed, base in enumerate([0.30, 0.35, 0.40]):
+            runs.append(_fake_run(root, "otb", seed, flat, 100, {400: base - 0.01}))
+            grpo = base - (0.02 if strong_grpo else 0.2 + 0.01 * seed)
+            runs.append(_fake_run(root, "grpo", seed, flat, 100, {400: grpo}))
+            runs.append(_fake_run(root, "big", seed, flat, 400, {1600: base}))
+        (c,) = analyse(exp, runs)["comparisons"]
+        assert c["heldout"][0]["verdict"] == "held"  # OTB alone passes in both cases
+        (control,) = c["controls"]
+        assert control["arm"] == "grpo" and control["verdict"] == ("held" if strong_grpo else "did not hold")
+        assert c["verdict"] == expected
+        text = comparisons_table({"comparisons": [c]})
+        assert "same-N control: held-out reward @0.4k vs 1.6k, grpo − big" in text
+        assert ("not discriminating: grpo passes too" in text) == strong_grpo
