@@ -118,6 +118,10 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
                     f"{arm} train reward {statistics.fmean(a['start']):.2f} → "
                     f"{statistics.fmean(a['final']):.2f}"
                 )
+        if c.get("auc"):
+            parts.append(
+                f"held-out AUC to {kilo(c['auc']['budget'])} (secondary): {_interval(c['auc']['interval'])}"
+            )
         for k in c.get("controls", []):  # same-N baselines on the same test (issue 33)
             h = next(
                 (h for h in k["heldout"] if h.get("primary")), k["heldout"][-1] if k["heldout"] else None

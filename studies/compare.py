@@ -5,6 +5,7 @@ events and a plot of what the arms bought."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -159,6 +160,14 @@ def comparisons_table(result: dict[str, Any]) -> str:
                 + (" (secondary)" if "primary" in c else "")
             )
             rows.append([c["name"], endpoint, t["interval"].text(thousands=True), t["verdict"]])
+        if c.get("auc"):
+            a = c["auc"]
+            endpoint = (
+                f"held-out AUC (mean held-out reward from step 0 to {kilo(a['budget'])}"
+                + (f" vs {kilo(a['baseline_budget'])}" if a["baseline_budget"] != a["budget"] else "")
+                + f"), {c['candidate']} − {c['baseline']} (secondary)"
+            )
+            rows.append([c["name"], endpoint, str(a["interval"]), a["verdict"]])
         for k in c.get("controls", []):
             for h in k["heldout"]:
                 if h.get("primary") or "primary" not in c:
@@ -235,12 +244,34 @@ def events(result: dict[str, Any]) -> str:
     return markdown_table(head, rows, aligned=False)
 
 
+def evaluation_noise(exp: Experiment, result: dict[str, Any]) -> str:
+    """The evaluation's own noise: a held-out score is the mean of eval_size x eval_samples 0/1 scores, so
+    at the arms' mean score p its binomial SD is sqrt(p (1 - p) / (eval_size x eval_samples)) (a lower
+    bound when samples of one prompt agree); a paired difference of two evaluations has about sqrt(2) x it."""
+    recipe = load_recipe(exp.recipe, {**exp.common, **exp.forced})
+    n = int(recipe["eval_size"]) * int(recipe.get("eval_samples", 1))
+    finals = [v for a in result["arms"].values() for v in a.get("held_out", []) if v is not None and v == v]
+    if not finals or n < 1:
+        return ""
+    p = statistics.fmean(finals)
+    sd = math.sqrt(p * (1 - p) / n)
+    return (
+        f"Evaluation noise: each held-out score averages {n:,} scored samples ({recipe['eval_size']} "
+        f"prompts x {recipe.get('eval_samples', 1)}); at the arms' mean final score {p:.3f} its binomial SD "
+        f"is {sd:.3f}, "
+        f"and a paired difference of two evaluations about {math.sqrt(2) * sd:.3f} (lower bounds: samples of "
+        "one prompt are correlated)."
+    )
+
+
 def definitions(exp: Experiment) -> str:
     kinds = sorted({c.get("kind", "better") for c in exp.comparisons})
     margins = {c.get("kind"): c.get("margin", 0.0) for c in exp.comparisons}
     rules = "; ".join(f"`{k}`: {rule(k, margins.get(k, 0.0) or 0.0, exp.confidence)}" for k in kinds)
+    k = int(load_recipe(exp.recipe, {**exp.common, **exp.forced}).get("eval_samples", 1))
+    each = "one sampled completion" if k == 1 else f"the mean score of {k} sampled completions"
     return (
-        "Held-out reward: one sampled completion (temperature of the run) for each held-out prompt, the "
+        f"Held-out reward: {each} (temperature of the run) for each held-out prompt, the "
         "same prompts and sampling seed for every arm of a seed, at the first step whose generated tokens "
         "reach the budget. Steps and train seconds are the cost: the seconds include generation, the "
         "energy (for OTB a forward pass of its own unless the sampler or TRL's old-log-prob pass gave it; "
@@ -345,6 +376,8 @@ def report(
         )
         if any(c.get("controls") for c in result["comparisons"]):
             parts.append(CONTROLS_NOTE)
+        noise = evaluation_noise(exp, result)
+        parts += [noise] if noise else []
         parts += (
             [where_table(result)]
             if any(h.get("by_where") for c in result["comparisons"] for h in c["heldout"])
@@ -413,7 +446,8 @@ def to_json(result: dict[str, Any]) -> dict[str, Any]:
             {**k, "heldout": [{**h, "interval": _interval(h["interval"])} for h in k["heldout"]]}
             for k in c.get("controls", [])
         ]
-        comparisons.append({**c, "heldout": heldout, "tokens": tokens, "controls": controls})
+        auc = {"auc": {**c["auc"], "interval": _interval(c["auc"]["interval"])}} if c.get("auc") else {}
+        comparisons.append({**c, "heldout": heldout, "tokens": tokens, "controls": controls, **auc})
     reg = result.get("registration")
     return {
         "arms": result["arms"],

@@ -270,6 +270,7 @@ def compare_arms(
         v = verdict(kind, ci)
         tokens.append({"threshold": th, "interval": ci, "verdict": v, "reached": reached})
         verdicts.append(v)
+    auc = _auc_endpoint(exp, spec, cand, base) if "auc" in spec.get("secondary", []) else None
     overall = _decide(spec, heldout, verdicts)
     controls = []
     if kind == "matches":  # the same test for each same-N baseline (issue 33's rule)
@@ -291,6 +292,7 @@ def compare_arms(
         "heldout": heldout,
         "tokens": tokens,
         "controls": controls,
+        **({"auc": auc} if auc is not None else {}),
         "verdict": overall,
         "interim": interim,
     }
@@ -324,6 +326,37 @@ def _heldout_endpoints(
             }
         )
     return out
+
+
+def heldout_auc(heldout: dict[int, float], budgets: list[int]) -> float | None:
+    """The area under a run's held-out curve from step 0 to the last of `budgets` (trapezoids between
+    the evaluations), divided by that budget: its mean held-out reward over training, a summary of the
+    whole curve that is less noisy than one evaluation. None if an evaluation on the way is missing."""
+    points = [0, *sorted(int(b) for b in budgets)]
+    if any(heldout.get(b) is None for b in points) or points[-1] <= 0:
+        return None
+    area = sum((b - a) * (heldout[a] + heldout[b]) / 2 for a, b in zip(points, points[1:], strict=False))
+    return area / points[-1]
+
+
+def _auc_endpoint(
+    exp: Experiment, spec: dict[str, Any], cand: list[dict[str, Any]], base: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The registered secondary endpoint `secondary: [auc]`: the paired difference of held-out AUC up to
+    each side's primary budget (its last, without one), tested by the comparison's own rule."""
+    kind, margin = spec.get("kind", "better"), float(spec.get("margin", 0.0))
+    budgets = [int(b) for b in spec.get("budgets", [])]
+    base_budgets = [int(b) for b in spec.get("baseline_budgets", budgets)]
+    end = budgets.index(int(spec["primary"])) + 1 if "primary" in spec else len(budgets)
+    mine = _seed_values(cand, lambda r: heldout_auc(r["heldout"], budgets[:end]))
+    theirs = _seed_values(base, lambda r: heldout_auc(r["heldout"], base_budgets[:end]))
+    ci = t_interval(paired(mine, theirs), exp.confidence)
+    return {
+        "budget": budgets[end - 1],
+        "baseline_budget": base_budgets[end - 1],
+        "interval": ci,
+        "verdict": verdict(kind, ci, margin),
+    }
 
 
 def _decide(spec: dict[str, Any], heldout: list[dict[str, Any]], verdicts: list[str]) -> str:

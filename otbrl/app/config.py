@@ -82,6 +82,10 @@ class RecipeKeys:
 
         eval_size (`int`, *optional*, defaults to `128`):
             Held-out prompts (never training prompts) scored before and after training.
+        eval_samples (`int`, *optional*, defaults to `1`):
+            Completions sampled and scored per held-out prompt: the score is their mean over all
+            `eval_size` x `eval_samples` of them. More than one lowers the evaluation's own noise (its
+            binomial SD) below the effects a comparison looks for.
         eval_at_tokens (`list[int]` or `None`, *optional*, defaults to `None`):
             Held-out evaluation also at these budgets of generated tokens (at the first step that reaches
             each), so that arms with different group sizes are compared at equal cost.
@@ -133,6 +137,7 @@ class RecipeKeys:
     reward_max_failure_fraction: float = 0.5
     train_size: int = 4096
     eval_size: int = 128
+    eval_samples: int = 1
     eval_at_tokens: list[int] | None = None
     eval_before: bool = True
     max_generated_tokens: int | None = None

@@ -240,6 +240,7 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
         "gradient_accumulation_steps",
         "max_completion_length",
         "eval_size",
+        "eval_samples",
         "train_size",
         "threads",
         "max_turns",

@@ -140,6 +140,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
                 tools,
                 max_turns,
                 progress=not config.disable_tqdm,
+                samples=recipe["eval_samples"],
             )
 
     trainer = OTBGRPOTrainer(
@@ -164,8 +165,10 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
             "fp16": bool(config.fp16),
             "reward": recipe["reward"],
             "task": recipe["task"],
+            # only when it changes the score: earlier one-sample keys stay valid
+            **({"samples": recipe["eval_samples"]} if recipe["eval_samples"] > 1 else {}),
         }
-        log(f"held-out evaluation before training: {len(eval_rows)} prompts")
+        log(f"held-out evaluation before training: {len(eval_rows)} prompts x {recipe['eval_samples']} each")
         folder = cache_folder()
         key = before_key(model, tokenizer, eval_rows, settings) if folder is not None else ""
         before, reused = cached_score(folder, key, evaluate_now)

@@ -25,15 +25,19 @@ def evaluate(
     tools: Sequence[str] | Mapping[str, Tool] = (),
     max_turns: int = 0,
     progress: bool = False,
+    samples: int = 1,
 ) -> float:
-    """Mean of `score` over one completion per row ({"prompt", "answer"}), sampled at `temperature`
-    (reproducible given `seed`), with tool calls between turns when `tools` names any. `progress`: a bar
-    over the decoding steps (at most `max_new_tokens`; the same numbers with or without it). Leaves the
-    model in eval mode."""
+    """Mean of `score` over `samples` completions per row ({"prompt", "answer"}), sampled at
+    `temperature` (reproducible given `seed`), with tool calls between turns when `tools` names any.
+    `progress`: a bar over the decoding steps (at most `max_new_tokens`; the same numbers with or without
+    it). Leaves the model in eval mode."""
     if not rows:
         raise ValueError("rows: nothing to evaluate")
+    if samples < 1:
+        raise ValueError(f"samples: must be >= 1, got {samples}")
     model.eval()
     gen = torch.Generator(device=model.device).manual_seed(seed)
+    rows = [r for r in rows for _ in range(samples)]  # each prompt's samples side by side
     prompts = [r["prompt"] for r in rows]
     bar = None
     if progress and not tools:  # multi-turn decoding has no fixed step count to show

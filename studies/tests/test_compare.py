@@ -459,3 +459,37 @@ def test_a_matches_claim_that_a_same_n_baseline_passes_too_is_not_discriminating
         text = comparisons_table({"comparisons": [c]})
         assert "same-N control: held-out reward @0.4k vs 1.6k, grpo − big" in text
         assert ("not discriminating: grpo passes too" in text) == strong_grpo
+
+
+def test_heldout_auc_is_the_mean_of_the_curve_and_a_registered_secondary(tmp_path) -> None:
+    from studies.outcomes import heldout_auc
+
+    # trapezoids: 0..100 at (0.2+0.4)/2, 100..400 at (0.4+0.6)/2 -> (30 + 150) / 400
+    assert heldout_auc({0: 0.2, 100: 0.4, 400: 0.6}, [100, 400]) == pytest.approx(0.45)
+    assert heldout_auc({100: 0.4, 400: 0.6}, [100, 400]) is None  # no step-0 score: no area
+    spec = {
+        "name": "c",
+        "kind": "better",
+        "candidate": "otb",
+        "baseline": "grpo",
+        "budgets": [200, 400],
+        "primary": 400,
+        "secondary": ["auc"],
+    }
+    exp = Experiment(
+        name="t", recipe="demo", arms={"otb": {}, "grpo": {}}, seeds=[0, 1, 2], smooth=1, comparisons=[spec]
+    )
+    runs = []
+    for seed, gain in enumerate([0.05, 0.06, 0.07]):
+        for arm, g in (("otb", gain), ("grpo", 0.0)):
+            r = _fake_run(tmp_path, arm, seed, [0.5] * 8, 100, {200: 0.3 + g, 400: 0.4 + g})
+            summary = json.loads((r.dir / "summary.json").read_text())
+            (r.dir / "summary.json").write_text(json.dumps({**summary, "held-out reward before": 0.2}))
+            runs.append(r)
+    (c,) = analyse(exp, runs)["comparisons"]
+    # otb - grpo AUC = (200 * g / 2 + 200 * (2 g) / 2) / 400 = 0.75 g
+    assert c["auc"]["interval"].mean == pytest.approx(0.75 * 0.06)
+    assert c["auc"]["verdict"] == "held"
+    assert "held-out AUC (mean held-out reward from step 0 to 0.4k)" in comparisons_table(
+        {"comparisons": [c]}
+    )

@@ -414,3 +414,25 @@ def test_a_progress_observer_sees_every_step_and_changes_nothing():
     rows = [{"prompt": t, "answer": "1"} for t in texts]
     score = lambda p, c, a: [float(len(x) % 2) for x in c]  # noqa: E731
     assert evaluate(model, tok, rows, score, 8, progress=True) == evaluate(model, tok, rows, score, 8)
+
+
+def test_several_samples_per_prompt_score_their_mean():
+    """evaluate(samples=k) scores k completions of each prompt (the mean over all of them); k = 1 is
+    the one-sample evaluation unchanged."""
+    from otbrl.rollout import evaluate
+
+    model, tok = biased_model({}), char_tokenizer()
+    rows = [{"prompt": t, "answer": "1"} for t in ("12+3=", "7+70=", "5+5=", "9+1=")]
+    seen: list[list[str]] = []
+
+    def score(p, c, a):  # noqa: ANN001, ANN202
+        seen.append(list(p))
+        return [float(len(x) % 2) for x in c]
+
+    one = evaluate(model, tok, rows, score, 8, seed=4)
+    assert seen[-1] == [r["prompt"] for r in rows]
+    many = evaluate(model, tok, rows, score, 8, seed=4, samples=3)
+    assert seen[-1] == [r["prompt"] for r in rows for _ in range(3)]
+    assert 0.0 <= many <= 1.0 and one == evaluate(model, tok, rows, score, 8, seed=4, samples=1)
+    with pytest.raises(ValueError, match="samples"):
+        evaluate(model, tok, rows, score, 8, samples=0)
