@@ -20,6 +20,7 @@ from studies.experiment import (
     experiment_names,
     load_experiment,
     pilot_plan,
+    pilot_seeds,
     piloted,
     plan,
     variance_plan,
@@ -351,7 +352,7 @@ def report(
         f"{run_minutes:.0f} min; wall time of the invocation that wrote this page: {seconds / 60:.1f} min.",
         f"Setting: {setting}; prompts per step {exp.prompts_per_step}; seeds {exp.seeds}"
         + (
-            f"; learning rates picked on pilot seed {exp.pilot['seed']} "
+            f"; learning rates picked on {_pilot_seeds_text(exp)} "
             f"([{exp.name}-pilot.md]({exp.name}-pilot.md))"
             if exp.pilot
             else ""
@@ -556,6 +557,29 @@ def compare(
     return page, failures
 
 
+def _pilot_seeds_text(exp: Experiment) -> str:
+    seeds = pilot_seeds(exp)
+    return f"pilot seed {seeds[0]}" if len(seeds) == 1 else f"pilot seeds {', '.join(map(str, seeds))}"
+
+
+def pilot_rule(exp: Experiment) -> str:
+    """The pilot's pick rule in words: the older one (train reward, one seed) or issue 33's (held-out
+    reward at the end of the arm's budget, averaged over at least three pilot seeds)."""
+    seeds = pilot_seeds(exp)
+    if (exp.pilot or {}).get("pick") == "heldout":
+        return (
+            f"Seeds {', '.join(map(str, seeds))} (not reported seeds). Rule: each arm takes the learning "
+            "rate with the highest held-out reward at the end of its budget, averaged over these seeds (the "
+            "gate reads the mean gain at the pick); the picks are written into the experiment's YAML before "
+            "its reported runs. These numbers are not evidence for any claim."
+        )
+    return (
+        f"Seed {seeds[0]} (not a reported seed). Rule: each arm takes the learning rate with the "
+        "highest mean train reward over the last quarter of its steps; the picks are written into the "
+        "experiment's YAML before its reported runs. These numbers are not evidence for any claim."
+    )
+
+
 def pilot_score(rows: Path | list[dict[str, Any]]) -> float:
     """The pilot's rule: mean train reward over the last quarter of the run's steps (rows of a
     metrics.jsonl, or a run directory holding one)."""
@@ -576,6 +600,16 @@ def _run_data(run: Run, records: Path | None) -> tuple[list[dict[str, Any]], dic
     return None
 
 
+def _pick_score(data: tuple[list[dict[str, Any]], dict[str, Any]], by_heldout: bool) -> float:
+    """One pilot run's score for the pick: its held-out reward at the end of the run (the arm's final
+    budget; `pilot.pick: heldout`, issue 33), else the older rule, its late train reward."""
+    rows, summary = data
+    if by_heldout:
+        after = summary.get("held-out reward after")
+        return math.nan if after is None else float(after)
+    return pilot_score(rows)
+
+
 def _gain(summary: dict[str, Any]) -> float | None:
     before, after = summary.get("held-out reward before"), summary.get("held-out reward after")
     return None if before is None or after is None else after - before
@@ -593,12 +627,19 @@ def picks_and_gate(
     (held-out reward at step 0 and at the end of the picked run, its gain, the arm's threshold) and
     whether every arm passed (True when the pilot has no gate)."""
     gate = (exp.pilot or {}).get("gate")
+    by_heldout = (exp.pilot or {}).get("pick") == "heldout"
     lrs = sorted({r.overrides["learning_rate"] for r in runs})
     picks, score_rows, gate_rows, ok = {}, [], [], True
     for arm in piloted(exp):
         mine = [r for r in runs if r.arm.startswith(arm + "@")]
-        data = {r.overrides["learning_rate"]: _run_data(r, records) for r in mine}
-        scores = {lr: pilot_score(d[0]) for lr, d in data.items() if d is not None}
+        data: dict[float, list[Any]] = {}
+        for r in mine:  # every seed of every rate; a rate is scored only once all its seeds are in
+            data.setdefault(r.overrides["learning_rate"], []).append(_run_data(r, records))
+        scores = {
+            lr: statistics.fmean(_pick_score(d, by_heldout) for d in ds)
+            for lr, ds in data.items()
+            if ds and all(d is not None for d in ds)
+        }
         cells = [f"{scores[lr]:.3f}" if lr in scores else "not run" if lr in data else "—" for lr in lrs]
         if len(scores) < len(data) or not scores:  # a pick needs every rate of the arm's grid
             score_rows.append([arm, *cells, "pending"])
@@ -611,16 +652,25 @@ def picks_and_gate(
         score_rows.append([arm, *cells, f"{picks[arm]:g}"])
         if gate is not None:
             need = gate_need(gate, arm)
-            summary = data[picks[arm]][1]
-            gain = _gain(summary)
+            summaries = [d[1] for d in data[picks[arm]]]
+            gains = [g for g in map(_gain, summaries) if g is not None]
+            gain = statistics.fmean(gains) if len(gains) == len(summaries) else None  # over the pilot seeds
             passed = gain is not None and gain >= need
             ok &= passed
             gate_rows.append(
                 [
                     arm,
                     f"{picks[arm]:g}",
-                    _fmt(summary.get("held-out reward before")),
-                    _fmt(summary.get("held-out reward after")),
+                    _fmt(
+                        statistics.fmean(s.get("held-out reward before") for s in summaries)
+                        if gain is not None
+                        else None
+                    ),
+                    _fmt(
+                        statistics.fmean(s.get("held-out reward after") for s in summaries)
+                        if gain is not None
+                        else None
+                    ),
                     _fmt(gain, sign=True),
                     f"≥ {need:g}",
                     "**passed**" if passed else "**failed**",
@@ -871,12 +921,11 @@ def pilot_page(
         f"Regenerate: `{command}` (runs with a committed record in `docs/results/runs/{exp.name}-pilot/` "
         f"are not redone; `python -m studies compare {exp.name} --pilot --no-run` rebuilds this page from "
         "them alone).",
-        f"Seed {exp.pilot['seed']} (not a reported seed). Rule: each arm takes the learning rate with the "
-        "highest mean train reward over the last quarter of its steps; the picks are written into the "
-        "experiment's YAML before its reported runs. These numbers are not evidence for any claim.",
+        pilot_rule(exp),
         grid,
     ]
-    gains, cvs = pilot_grids(exp, runs, records)
+    first = [r for r in runs if r.seed == pilot_seeds(exp)[0]]  # the grids and curves read one seed
+    gains, cvs = pilot_grids(exp, first, records)
     head = ["arm", *(f"lr {lr}" for lr in lrs)]
     parts += [
         "Held-out gain of each pilot run (held-out reward at the end of its budget minus at step 0, same "
@@ -949,7 +998,7 @@ def pilot_page(
         )
     if records is not None and (records / "superseded").is_dir():
         parts.append(superseded_text(records / "superseded"))
-    curves, gates = pilot_curves(exp, runs, records, picks)  # the pilot seed only: one line per rate
+    curves, gates = pilot_curves(exp, first, records, picks)  # the first pilot seed: one line per rate
     if curves:
         png = results / f"{exp.name}-pilot.png"
         title = (

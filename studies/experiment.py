@@ -54,7 +54,7 @@ EXPERIMENTS = Path(__file__).resolve().parent / "experiments"
 # An arm's keys that are the experiment's, not recipe overrides: its own seeds, ladder rungs and pilot rates
 ARM_KEYS = ("seeds", "ladder", "pilot_learning_rates")
 # A pilot's keys that are the experiment's; any other key of `pilot:` is a recipe override for its runs
-PILOT_KEYS = ("seed", "learning_rates", "token_factor", "gate", "variance_seeds", "power")
+PILOT_KEYS = ("seed", "seeds", "pick", "learning_rates", "token_factor", "gate", "variance_seeds", "power")
 
 
 @dataclass
@@ -174,7 +174,12 @@ def _check_protocol(path: Path, exp: Experiment) -> None:
     if exp.pilot is not None:
         if not isinstance(exp.pilot, dict) or "seed" not in exp.pilot or not exp.pilot.get("learning_rates"):
             raise ValueError(f"experiment {path}: pilot needs a seed and learning_rates")
-        pilot_seeds = [exp.pilot["seed"], *exp.pilot.get("variance_seeds", [])]
+        seeds = exp.pilot.get("seeds", [exp.pilot["seed"]])
+        if exp.pilot["seed"] not in seeds or len(set(seeds)) != len(seeds):
+            raise ValueError(f"experiment {path}: pilot: seeds must be distinct and hold the pilot seed")
+        if exp.pilot.get("pick", "train") not in ("train", "heldout"):
+            raise ValueError(f"experiment {path}: pilot: pick must be train or heldout")
+        pilot_seeds = [*seeds, *exp.pilot.get("variance_seeds", [])]
         if set(pilot_seeds) & set(exp.seeds):
             both = ", ".join(map(str, sorted(set(pilot_seeds) & set(exp.seeds))))
             raise ValueError(f"experiment {path}: the pilot seed {both} is also a reported seed")
@@ -255,7 +260,7 @@ def piloted(exp: Experiment) -> list[str]:
 
 
 def pilot_plan(exp: Experiment, out: Path) -> list[Run]:
-    """The pilot: every arm at each of the pilot's learning rates, on the pilot seed (arm@lr)."""
+    """The pilot: every arm at each of the pilot's learning rates, on each pilot seed (arm@lr)."""
     if not exp.pilot:
         raise ValueError(f"experiment {exp.name}: no `pilot:` section")
     runs = []
@@ -266,8 +271,16 @@ def pilot_plan(exp: Experiment, out: Path) -> list[Run]:
             extra = {**extra, "max_generated_tokens": round(budget * exp.pilot["token_factor"])}
         for lr in (exp.arms[arm] or {}).get("pilot_learning_rates", exp.pilot["learning_rates"]):
             name = f"{arm}@{float(lr):g}"
-            runs.append(_run(exp, out, arm, exp.pilot["seed"], {"learning_rate": float(lr), **extra}, name))
+            for seed in pilot_seeds(exp):
+                runs.append(_run(exp, out, arm, seed, {"learning_rate": float(lr), **extra}, name))
     return runs
+
+
+def pilot_seeds(exp: Experiment) -> list[int]:
+    """The seeds each pilot rate runs on: `pilot.seeds` (issue 33: at least 3, so that a pick is not one
+    seed's luck), else the one `pilot.seed` of older protocols."""
+    pilot = exp.pilot or {}
+    return [int(s) for s in pilot.get("seeds", [pilot.get("seed")])]
 
 
 def variance_plan(exp: Experiment, out: Path, picks: dict[str, float]) -> list[Run]:

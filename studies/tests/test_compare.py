@@ -307,6 +307,45 @@ def test_pilot_page_picks_the_best_rate_per_arm(tmp_path) -> None:
     assert "| a | 0.300 | 0.000 | 0.0001 |" in page.read_text()
 
 
+def test_a_fair_pilot_picks_by_held_out_reward_averaged_over_its_seeds(tmp_path) -> None:
+    """Issue 33: with `pilot.seeds` and `pick: heldout` every rate runs on every pilot seed and the pick is
+    the best mean held-out reward at the end of the budget, not one seed's late train reward."""
+    pilot = {
+        "seed": 9,
+        "seeds": [9, 10, 11],
+        "pick": "heldout",
+        "learning_rates": [1e-4, 3e-4],
+        "gate": {"heldout_gain": 0.05},
+    }
+    exp = Experiment(name="t", recipe="demo", arms={"a": {}}, seeds=[0], smooth=1, pilot=pilot)
+    planned = pilot_plan(exp, tmp_path / "plan")
+    assert sorted((r.arm, r.seed) for r in planned) == sorted(
+        (f"a@{lr:g}", s) for lr in (1e-4, 3e-4) for s in (9, 10, 11)
+    )
+    runs = []
+    # 3e-4 has the higher train reward on every seed, 1e-4 the higher held-out reward on average
+    for lr, train, after in [(1e-4, 0.3, [0.50, 0.40, 0.45]), (3e-4, 0.6, [0.60, 0.30, 0.30])]:
+        for seed, a in zip((9, 10, 11), after, strict=True):
+            run = _fake_run(tmp_path, f"a@{lr:g}", seed, [train] * 8, 10)
+            (run.dir / "summary.json").write_text(
+                json.dumps({"held-out reward after": a, "held-out reward before": 0.3})
+            )
+            run.overrides["learning_rate"] = lr
+            runs.append(run)
+    page, picks = pilot_page(exp, runs, tmp_path / "out", "cmd", log=lambda _: None)
+    assert picks == {"a": 1e-4}  # 0.45 against 0.40; the train reward would have picked 3e-4
+    text = page.read_text()
+    assert "| a | 0.450 | 0.400 | 0.0001 |" in text and "averaged over these seeds" in text
+    assert "| a | 0.0001 | 0.300 | 0.450 | +0.150 |" in text  # the gate reads the mean gain
+    with pytest.raises(ValueError, match="hold the pilot seed"):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(
+            "recipe: demo\nseeds: [0]\narms: {a: {}}\n"
+            "pilot: {seed: 9, seeds: [10, 11], learning_rates: [1e-4]}\n"
+        )
+        load_experiment(str(bad))
+
+
 def test_a_ladder_puts_every_arm_on_every_rung(tmp_path) -> None:
     path = tmp_path / "l.yaml"
     path.write_text(
