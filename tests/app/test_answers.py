@@ -56,7 +56,7 @@ def test_newer_trl_warns_and_older_trl_is_refused(monkeypatch):
     assert module.OTBGRPOTrainer is not None
     monkeypatch.setattr(trl, "__version__", "1.15.0")
     monkeypatch.delitem(sys.modules, "otbrl.integrations.trl", raising=False)
-    with pytest.raises(ImportError, match=r"needs trl>=1.16 .* found trl 1.15.0"):
+    with pytest.raises(ImportError, match=r"needs trl>=1\.16,<2 .* found trl 1\.15\.0"):
         importlib.import_module("otbrl.integrations.trl")
     monkeypatch.undo()
     monkeypatch.delitem(sys.modules, "otbrl.integrations.trl", raising=False)
