@@ -873,7 +873,7 @@ def pilot(
     if train:
         stamp = _stamp(exp, records, "pilot", amend, quick=False)
         log(
-            f"{exp.name} pilot: {len(runs)} runs (seed {exp.pilot['seed']}) in {runs_dir}; "
+            f"{exp.name} pilot: {len(runs)} runs ({_pilot_seeds_text(exp)}) in {runs_dir}; "
             f"protocol {stamp['hash']}"
         )
         failures = execute(
