@@ -86,3 +86,33 @@ def test_the_prompt_digest_names_the_prompts_not_their_order(tmp_path) -> None:
     _drive(path, TokenBudgets(), ledger=PromptLedger(lambda prompts, completions, **kw: [0.0]), steps=2)
     digests = [r["prompts_sha"] for r in read_metrics(path)]
     assert len(set(digests)) == 2 and all(len(d) == 12 for d in digests)
+
+
+def test_a_token_budget_run_counts_its_progress_in_tokens(tmp_path, capsys) -> None:
+    """The bar counts what the run stops at: generated tokens against the budget (so its ETA is true),
+    continuing a resumed run's count; without a budget it counts steps against max_steps."""
+    from otbrl.app.callbacks import progress_callback
+    from otbrl.app.metrics import write_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    write_metrics(metrics, [{"step": 1, "generated_tokens": 100.0}, {"step": 2, "generated_tokens": 200.0}])
+    cb = progress_callback(tokens_per_step=4, bar=True, budget=1000, metrics=metrics)
+    args, control = SimpleNamespace(), TrainerControl()
+    state = SimpleNamespace(global_step=2, max_steps=5000, is_world_process_zero=True)
+    cb.on_train_begin(args, state, control)  # resumed at step 2: 200 tokens done
+    assert (cb.bar.total, cb.bar.n, cb.bar.unit) == (1000, 200, "tok")
+    for step in (3, 4):
+        state.global_step = step
+        cb.on_log(args, state, control, logs={"reward": 0.5, "completions/mean_length": 25.0})
+    assert cb.bar.n == 400 and cb.generated == 400.0
+    cb.on_train_end(args, state, control)
+    lines = progress_callback(tokens_per_step=4, bar=False, budget=1000)
+    state.global_step = 1
+    lines.on_train_begin(args, state, control)
+    lines.on_log(args, state, control, logs={"reward": 0.5, "completions/mean_length": 25.0})
+    assert capsys.readouterr().out.startswith("100/1,000 tokens  step 1  reward 0.500")
+    steps = progress_callback(tokens_per_step=4, bar=True)
+    state.global_step = 0
+    steps.on_train_begin(args, state, control)
+    assert (steps.bar.total, steps.bar.unit) == (5000, "step")
+    steps.on_train_end(args, state, control)
