@@ -308,9 +308,15 @@ def definitions(exp: Experiment) -> str:
 
 
 def report(
-    exp: Experiment, result: dict[str, Any], results: Path, command: str, seconds: float, failures: list[str]
+    exp: Experiment,
+    result: dict[str, Any],
+    results: Path,
+    command: str,
+    seconds: float | None,
+    failures: list[str],
 ) -> Path:
-    """Write `<results>/<name>.md` (+ .png and a .json of the per-arm numbers and comparisons)."""
+    """Write `<results>/<name>.md` (+ .png and a .json of the per-arm numbers and comparisons); `seconds`:
+    the wall time of an invocation that trained, None for a rebuild from the committed records."""
     results.mkdir(parents=True, exist_ok=True)
     run_minutes = sum(r["train_seconds"] for runs in result["runs"].values() for r in runs) / 60
     md, png = results / f"{exp.name}.md", results / f"{exp.name}.png"
@@ -349,7 +355,12 @@ def report(
     parts = [
         f"# Experiment `{exp.name}`\n\n{exp.description}",
         f"Regenerate: `{command}` (runs resume: finished ones are kept). Training time summed over the runs: "
-        f"{run_minutes:.0f} min; wall time of the invocation that wrote this page: {seconds / 60:.1f} min.",
+        f"{run_minutes:.0f} min; "
+        + (
+            "this page was rebuilt from the committed run records (nothing trained)."
+            if seconds is None
+            else f"wall time of the invocation that wrote this page: {seconds / 60:.1f} min."
+        ),
         f"Setting: {setting}; prompts per step {exp.prompts_per_step}; seeds {exp.seeds}"
         + (
             f"; learning rates picked on {_pilot_seeds_text(exp)} "
@@ -552,7 +563,8 @@ def compare(
         raise RuntimeError(f"{exp.name}: every run failed:\n" + "\n".join(failures))
     result["registration"], result["heldout_split"] = registration(records), _heldout_split(exp)
     command = f"python -m studies compare {spec}" + (" --quick" if quick else "") + f" --jobs {jobs}"
-    page = report(exp, result, results, command, time.perf_counter() - start, failures)
+    seconds = time.perf_counter() - start if train else None  # a rebuild's seconds say nothing: not shown
+    page = report(exp, result, results, command, seconds, failures)
     log(table(exp, result))
     return page, failures
 
