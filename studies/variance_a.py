@@ -284,26 +284,27 @@ def vector_labels(study: Study) -> list[str]:
 def row_sums(grads: np.ndarray, labels: list[str], estimators: tuple[str, str]) -> dict[str, dict[str, list]]:
     """Per-batch sums (`RowSums`: d_k = ||g_k||^2, r_k = g_k . sum_l g_l, float64) of every estimator's
     gradient in each bucket and in all tokens (early + late), from the stored (K, len(labels), D) float32
-    gradients, one batch at a time (the K x D float64 matrix would not fit a small machine)."""
-    k = grads.shape[0]
+    gradients: two passes over them, one batch at a time (a K x D float64 matrix would not fit in memory,
+    and the stored gradients of a large cell exceed the page cache)."""
     index = {label: i for i, label in enumerate(labels)}
+    names = [f"{e}/{b}" for e in estimators for b in (*BUCKETS, "all")]
 
-    def vector(j: int, label: str) -> torch.Tensor:
-        est, _, bucket = label.partition("/")
-        if bucket == "all":
-            return sum(vector(j, f"{est}/{b}") for b in BUCKETS)
-        return torch.from_numpy(np.asarray(grads[j, index[label]])).double()
+    def vectors(j: int) -> dict[str, torch.Tensor]:
+        stored = torch.from_numpy(np.asarray(grads[j])).double()
+        out = {f"{e}/{b}": stored[index[f"{e}/{b}"]] for e in estimators for b in BUCKETS}
+        out.update({f"{e}/all": sum(out[f"{e}/{b}"] for b in BUCKETS) for e in estimators})
+        return out
 
-    out = {}
-    for label in [f"{e}/{b}" for e in estimators for b in (*BUCKETS, "all")]:
-        total = sum(vector(j, label) for j in range(k))
-        d, r = [], []
-        for j in range(k):
-            g = vector(j, label)
-            d.append(g.square().sum().item())
-            r.append((g @ total).item())
-        out[label] = {"d": d, "r": r}
-    return out
+    totals: dict[str, torch.Tensor] = {}
+    for j in range(grads.shape[0]):
+        for name, g in vectors(j).items():
+            totals[name] = totals[name] + g if name in totals else g.clone()
+    sums: dict[str, dict[str, list]] = {name: {"d": [], "r": []} for name in names}
+    for j in range(grads.shape[0]):
+        for name, g in vectors(j).items():
+            sums[name]["d"].append(g.square().sum().item())
+            sums[name]["r"].append((g @ totals[name]).item())
+    return sums
 
 
 @dataclass
