@@ -3,6 +3,7 @@
 python -m studies compare EXPERIMENT [--quick|--pilot] [--jobs 2] [--seeds 9-14]   registered experiments
 python -m studies claims [--results docs/results] [--readme README.md]           the claims page
 python -m studies variance [--quick] [--out DIR] [...]                           gradient noise per estimator
+python -m studies variance-a [--pilot|--no-run] [--amend REASON]                 claim (a), registered
 
 Each run of an experiment is an `otbrl train` run in its own process; the suite adds what a user's own
 comparison (`otbrl compare`) does not need: registered protocols, pilots and gates, power, verdict rules.
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from otbrl.app.cli import CliError, int_list
-from studies import variance
+from studies import variance, variance_a
 from studies.claims import STUDIES, proxy_claim, sync_readme, variance_claim, write_claims
 from studies.compare import compare, experiment_names, pilot
 
@@ -87,6 +88,17 @@ def variance_command(args: argparse.Namespace, rest: list[str]) -> None:
         raise fail(str(err)) from None
 
 
+def variance_a_command(args: argparse.Namespace, rest: list[str]) -> None:
+    if rest:
+        args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.no_run and args.cells:
+        raise fail("variance-a: --cells chooses cells to measure; --no-run measures none")
+    try:
+        variance_a.main(args)
+    except (ValueError, RuntimeError) as err:
+        raise fail(str(err)) from None
+
+
 def add_compare(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "compare", help="training runs over arms (estimator, group size, ...) x seeds: table and plot"
@@ -139,12 +151,21 @@ def add_variance(sub: Subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def add_variance_a(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "variance-a", help="claim (a) under its registered protocol: OTB vs group-mean gradient noise"
+    )
+    variance_a.add_arguments(p)
+    return p
+
+
 Subparsers = Any  # what ArgumentParser.add_subparsers returns (its class is private to argparse)
 
 SUBCOMMANDS = {
     "compare": (add_compare, compare_command),
     "claims": (add_claims, claims_command),
     "variance": (add_variance, variance_command),
+    "variance-a": (add_variance_a, variance_a_command),
 }
 
 

@@ -71,6 +71,43 @@ class Moments:
         return self.trace_cov / signal if signal > 0 else math.inf
 
 
+@dataclass(frozen=True)
+class RowSums:
+    """Per-batch sufficient statistics of K gradient estimates g_k: d_k = ||g_k||^2 and r_k = g_k . sum_l g_l
+    (a row sum of their Gram matrix). They give the Moments of all K estimates and of every K - 1 (what a
+    delete-one jackknife needs) in 2K numbers instead of K^2, so a study can commit them per batch and its
+    intervals be recomputed from the committed data alone."""
+
+    d: tuple[float, ...]
+    r: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.d) != len(self.r):
+            raise ValueError(f"d and r: one value per batch each, got {len(self.d)} and {len(self.r)}")
+
+    @classmethod
+    def of_vectors(cls, grads: torch.Tensor) -> RowSums:
+        """grads (K, D), any float dtype: the sums are taken in float64."""
+        g = grads.double()
+        return cls(tuple(g.square().sum(-1).tolist()), tuple((g @ g.sum(0)).tolist()))
+
+    @classmethod
+    def of_gram(cls, gram: torch.Tensor) -> RowSums:
+        return cls(tuple(gram.diagonal().tolist()), tuple(gram.sum(-1).tolist()))
+
+    def moments(self, idx: list[int]) -> Moments:
+        """Moments of the estimates idx: all K of them, or all but one (anything else needs the Gram)."""
+        k = len(self.d)
+        left = sorted(set(range(k)) - set(idx))
+        if len(idx) != len(set(idx)) or len(idx) + len(left) != k or len(left) > 1:
+            raise ValueError("idx: row sums give the moments of all K batches or of all but one only")
+        sq, total = math.fsum(self.d), math.fsum(self.r)  # total = ||sum_l g_l||^2
+        if left:  # ||S - g_j||^2 = ||S||^2 - 2 g_j . S + ||g_j||^2
+            j = left[0]
+            sq, total = sq - self.d[j], total - 2 * self.r[j] + self.d[j]
+        return Moments(len(idx), sq, total)
+
+
 def trace_cov(gram: torch.Tensor, idx: list[int]) -> float:
     """Unbiased trace of the covariance of the gradients idx, from their Gram matrix."""
     return Moments.of_gram(gram, idx).trace_cov
@@ -157,12 +194,40 @@ def nsr_ratio(gram_a: torch.Tensor, gram_b: torch.Tensor, idx: list[int]) -> Rat
     """NSR(a) / NSR(b) on the same batches idx with its 95% jackknife interval. Unlike the variance ratio it
     is scale-free: a baseline that shrinks every advantage (a self-inclusive mean) lowers the variance
     and the signal alike and does not move it."""
+    return moments_nsr_ratio(lambda s: Moments.of_gram(gram_a, s), lambda s: Moments.of_gram(gram_b, s), idx)
+
+
+Subset = Callable[[list[int]], Moments]  # the moments of the estimates idx (a Gram matrix, or RowSums)
+
+
+def moments_nsr_ratio(a: Subset, b: Subset, idx: list[int], level: float = 0.95) -> RatioInterval:
+    """`nsr_ratio` for estimates given by their moments on any subset the jackknife asks for (from a Gram
+    matrix, or from `RowSums.moments` when only per-batch sums were kept)."""
 
     def ratio(s: list[int]) -> float:
-        b = nsr(gram_b, s)
-        return nsr(gram_a, s) / b if b > 0 else math.inf  # inf: undetermined, see jackknife_log_interval
+        nb = b(s).nsr(debiased=True)
+        return a(s).nsr(debiased=True) / nb if nb > 0 else math.inf  # inf: undetermined (see below)
 
-    return jackknife_log_interval(ratio, idx)
+    return jackknife_log_interval(ratio, idx, level)
+
+
+def sums_nsr_ratio(a: RowSums, b: RowSums, level: float = 0.95) -> RatioInterval:
+    """NSR(a) / NSR(b) on the same K batches, from their per-batch sums, with its jackknife interval."""
+    if len(a.d) != len(b.d):
+        raise ValueError(f"a and b: the same batches, got {len(a.d)} and {len(b.d)}")
+    return moments_nsr_ratio(a.moments, b.moments, list(range(len(a.d))), level)
+
+
+def sums_nsr(a: RowSums, level: float = 0.95) -> RatioInterval:
+    """One estimator's debiased NSR on its K batches with its jackknife interval (log scale)."""
+    return jackknife_log_interval(lambda s: a.moments(s).nsr(debiased=True), list(range(len(a.d))), level)
+
+
+def sums_variance_ratio(a: RowSums, b: RowSums, level: float = 0.95) -> RatioInterval:
+    """trace Cov(a) / trace Cov(b) on the same K batches (not scale-free: see `nsr_ratio`)."""
+    return jackknife_log_interval(
+        lambda s: a.moments(s).trace_cov / b.moments(s).trace_cov, list(range(len(a.d))), level
+    )
 
 
 def bias_z(grads: torch.Tensor, truth: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:

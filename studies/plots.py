@@ -142,3 +142,41 @@ def plot_variance(res: dict[str, Any], path: Path) -> None:
     for ax, (key, label) in zip(axes[1] if res["scatter"] else [], levels, strict=False):
         _scatter_panel(ax, *res["scatter"][key], label, res["correlations"][key])
     save(fig, path, dpi=110, bbox_inches="tight")
+
+
+def plot_registered_variance(
+    buckets: dict[str, dict[str, Any]], path: Path, candidate: str, baseline: str
+) -> None:
+    """The registered variance study (`variance_a`): NSR(candidate) / NSR(baseline) per cell with its 95%
+    interval, for all policy tokens and for each position bucket, on a log axis with 1 (no difference)
+    marked. `buckets`: {cell name: {bucket: {"ratio": RatioInterval, ...}}}."""
+    plt = pyplot()
+    cells = list(buckets)
+    kinds = [("all", "o", "k"), ("early", "s", "tab:blue"), ("late", "^", "tab:orange")]
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(cells) * len(kinds) + 1.2))
+    for i, cell in enumerate(cells):
+        for j, (bucket, marker, colour) in enumerate(kinds):
+            iv = buckets[cell][bucket]["ratio"]
+            if not math.isfinite(iv.ratio) or iv.ratio <= 0:
+                continue
+            y = -(i * (len(kinds) + 1) + j)
+            err = [[_gap(iv.ratio, iv.lo)], [_gap(iv.ratio, iv.hi)]]
+            ax.errorbar(
+                [iv.ratio],
+                [y],
+                xerr=err,
+                marker=marker,
+                color=colour,
+                capsize=2,
+                ms=5,
+                label=bucket if i == 0 else None,
+                lw=2.0 if bucket == "all" else 1.0,
+            )
+    ax.axvline(1.0, color="grey", ls="--", lw=1)
+    ax.set_yticks([-(i * (len(kinds) + 1) + 1) for i in range(len(cells))], cells, fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"NSR({candidate}) / NSR({baseline}), 95% interval (no bar: undetermined)")
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best", title="tokens")
+    ax.set_title("Below 1: OTB's gradient is less noisy relative to its signal (same samples)", fontsize=10)
+    save(fig, path, dpi=100, bbox_inches="tight")

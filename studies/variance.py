@@ -150,6 +150,21 @@ def estimator_advantages(
     return out
 
 
+def position_buckets(mask: torch.Tensor, late_from: int) -> dict[str, torch.Tensor]:
+    """(B, T) 0/1 masks of a response's policy tokens by their index k along it (0-based, counting policy
+    tokens only, so tool output moves no token into a later bucket): "early" k < late_from, "late" the
+    rest. They partition the policy tokens: the advantages times each mask give gradients that add up to
+    the whole one (g is linear in A)."""
+    if late_from < 1:
+        raise ValueError(f"late_from: must be >= 1, got {late_from}")
+    policy = mask.bool()
+    k = policy.long().cumsum(-1) - 1
+    return {
+        "early": (policy & (k < late_from)).to(mask.dtype),
+        "late": (policy & (k >= late_from)).to(mask.dtype),
+    }
+
+
 def policy_gradients(
     model: torch.nn.Module, logp: torch.Tensor, advantages: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
