@@ -23,8 +23,16 @@ Rule, fixed before this pilot ran:
                 64 groups) >= 0.30; at most 30% of the samples at the token cap
     pick        of those that qualify, the one with the highest mean within-group length CV (the
                 variation OTB acts on, which the experiment needs to last)
-    fallback    if none qualifies: the same pick among candidates with accuracy in [0.10, 0.60], CV >= 0.25
-                and at most 40% at the cap, marked provisional; if none of those either, no task is picked
+    fallback    the same pick among candidates with accuracy in [0.10, 0.60], CV >= 0.25 and at most 40%
+                at the cap, marked provisional; if none of those either, no task is picked
+
+Stage 2, added after a smoke run of this script (`--quick`: 4 problems x 4 samples per candidate at T=1,
+16 samples each) and before the full pilot ran: at T=1 that smoke run scored 0-1 of 16 per candidate and
+the answers read as off-topic text (as llm_pilot.py saw at T=1: "this 4-bit-derived model often writes
+off-topic text"). So, if no candidate qualifies under the rule at T=1, the same candidates are measured
+again, everything else equal, at T=0.7 (the temperature of the smollm2 recipes and experiment). The order
+of the pick is: the rule at T=1, the rule at T=0.7, the fallback at T=1, the fallback at T=0.7; the picked
+task is then trained at the temperature it was picked at.
 
     .venv/bin/python -m studies.llm_pilot2          # ~20 min on 1 thread, writes docs/results/llm-pilot2.md
     .venv/bin/python -m studies.llm_pilot2 --quick  # 4 problems x 4 per candidate, to a temp file
@@ -53,7 +61,7 @@ CANDIDATES = ("chat_addlist", "chat_addlist_work", "chat_basket", "chat_units", 
 PROBLEMS = 64  # distinct problems per candidate
 GROUP = 4  # samples per problem
 BATCH = 16  # problems per sampling batch
-TEMPERATURE = 1.0
+TEMPERATURES = (1.0, 0.7)  # stage 1, stage 2 (only when stage 1 qualifies no candidate under RULE)
 SEED = 0
 
 MIN_PROBLEMS, MIN_HELDOUT = 1000, 250
@@ -90,7 +98,7 @@ def group_cv(lengths: list[int]) -> float:
     return statistics.pstdev(lengths) / statistics.mean(lengths)
 
 
-def probe(model: Any, tokenizer: Any, name: str, problems: int) -> dict[str, Any]:
+def probe(model: Any, tokenizer: Any, name: str, problems: int, temperature: float) -> dict[str, Any]:
     """Sample GROUP completions of `problems` distinct problems of task `name`; the per-sample record and
     the summary statistics the rule reads."""
     task = get_task(name)
@@ -105,7 +113,7 @@ def probe(model: Any, tokenizer: Any, name: str, problems: int) -> dict[str, Any
             tokenizer.apply_chat_template(as_chat(p, None), tokenize=False, add_generation_prompt=True)
             for p, _, _ in batch
         ]
-        out = sample(model, tokenizer, texts, GROUP, cap, TEMPERATURE, generator=gen)
+        out = sample(model, tokenizer, texts, GROUP, cap, temperature, generator=gen)
         lengths = out.completion_mask.sum(1).tolist()
         for i, text in enumerate(out.texts):
             prompt, answer, key = batch[i // GROUP]
@@ -119,7 +127,7 @@ def probe(model: Any, tokenizer: Any, name: str, problems: int) -> dict[str, Any
                     "reward": task.reward(text, answer),
                 }
             )
-        print(f"  {name}: {min(b + BATCH, len(rows))}/{len(rows)} problems", flush=True)
+        print(f"  {name} T={temperature}: {min(b + BATCH, len(rows))}/{len(rows)} problems", flush=True)
     seconds = time.perf_counter() - start
     return {"samples": samples, "seconds": seconds, **summarise(samples, cap)}
 
@@ -151,12 +159,14 @@ def qualifies(r: dict[str, Any], bounds: dict[str, Any]) -> bool:
     )
 
 
-def pick(results: dict[str, dict[str, Any]]) -> tuple[str | None, str]:
-    """The committed rule: (picked task or None, which tier picked it)."""
+def pick(results: dict[tuple[str, float], dict[str, Any]]) -> tuple[tuple[str, float] | None, str]:
+    """The committed rule over (task, temperature) results: (the pick or None, which tier picked it).
+    Tiers in order: the rule at T=1, the rule at T=0.7, the fallback at T=1, the fallback at T=0.7."""
     for tier, bounds in (("rule", RULE), ("fallback (provisional)", FALLBACK)):
-        passing = [n for n, r in results.items() if qualifies(r, bounds)]
-        if passing:
-            return max(passing, key=lambda n: results[n]["cv"]), tier
+        for temperature in TEMPERATURES:
+            passing = [k for k, r in results.items() if k[1] == temperature and qualifies(r, bounds)]
+            if passing:
+                return max(passing, key=lambda k: results[k]["cv"]), f"{tier}, T={temperature}"
     return None, "none"
 
 
@@ -172,6 +182,28 @@ def by_numbers(samples: list[dict[str, Any]]) -> dict[int, tuple[int, float, flo
     }
 
 
+def measure(model: Any, tokenizer: Any, problems: int) -> dict[tuple[str, float], dict[str, Any]]:
+    """Stage 1 at T=1; stage 2 at T=0.7 only when no candidate qualifies under the rule at T=1."""
+    results: dict[tuple[str, float], dict[str, Any]] = {}
+    for temperature in TEMPERATURES:
+        if any(qualifies(r, RULE) for r in results.values()):
+            break
+        for name in CANDIDATES:
+            total, heldout = space(name)
+            r = {
+                "problems": total,
+                "heldout": heldout,
+                **probe(model, tokenizer, name, problems, temperature),
+            }
+            results[name, temperature] = r
+            print(
+                f"{name} T={temperature}: accuracy {r['accuracy']:.3f} ± {r['accuracy_se']:.3f}, median "
+                f"{r['median']}, CV {r['cv']:.3f}, capped {r['capped']:.2f}, {r['seconds']:.0f} s",
+                flush=True,
+            )
+    return results
+
+
 def main() -> None:
     quick, out, _ = command_line(
         "Real-model task pilot of issue 34", "4 problems per candidate", "llm-pilot2.md"
@@ -181,19 +213,12 @@ def main() -> None:
     model, tokenizer = load_model(recipe, print, load_tokenizer(recipe))
     model.eval()
     problems = 4 if quick else PROBLEMS
-    results: dict[str, dict[str, Any]] = {}
-    for name in CANDIDATES:
-        total, heldout = space(name)
-        results[name] = r = {"problems": total, "heldout": heldout, **probe(model, tokenizer, name, problems)}
-        print(
-            f"{name}: accuracy {r['accuracy']:.3f} ± {r['accuracy_se']:.3f}, median {r['median']}, "
-            f"CV {r['cv']:.3f}, capped {r['capped']:.2f}, {r['seconds']:.0f} s",
-            flush=True,
-        )
+    results = measure(model, tokenizer, problems)
     chosen, tier = pick(results)
     rows = [
         [
             name,
+            f"{temperature}",
             f"{r['problems']:,}",
             f"{r['heldout']:,}",
             f"{r['accuracy']:.3f} ± {r['accuracy_se']:.3f}",
@@ -203,14 +228,15 @@ def main() -> None:
             f"{r['capped']:.2f}",
             f"{r['seconds']:.0f}",
             "yes" if qualifies(r, RULE) else "fallback" if qualifies(r, FALLBACK) else "no",
-            "**picked**" if name == chosen else "",
+            "**picked**" if (name, temperature) == chosen else "",
             "`" + r["samples"][0]["text"].replace("\n", " ").replace("`", "'")[:90] + "`",
         ]
-        for name, r in results.items()
+        for (name, temperature), r in results.items()
     ]
     table = markdown_table(
         [
             "candidate",
+            "T",
             "problems",
             "held out",
             "accuracy ± SE",
@@ -226,35 +252,35 @@ def main() -> None:
         rows,
     )
     steps = markdown_table(
-        ["candidate", "numbers in the problem", "samples", "accuracy", "median length"],
+        ["candidate", "T", "numbers in the problem", "samples", "accuracy", "median length"],
         [
-            [name, str(k), str(n), f"{acc:.2f}", f"{med:.0f}"]
-            for name, r in results.items()
+            [name, f"{temperature}", str(k), str(n), f"{acc:.2f}", f"{med:.0f}"]
+            for (name, temperature), r in results.items()
             for k, (n, acc, med) in by_numbers(r["samples"]).items()
         ],
     )
     flags = cpu_flags()
-    native, why = bf16_support(use_cpu=True)
+    _, why = bf16_support(use_cpu=True)
     capability = (
-        f"CPU capability: {why}; AMX {'present' if 'amx_tile' in flags else 'absent'} "
-        f"(avx512_bf16 {'yes' if 'avx512_bf16' in flags else 'no'}, amx_bf16 "
-        f"{'yes' if 'amx_bf16' in flags else 'no'}). This pilot sampled in float32 regardless."
+        f"CPU capability: {why}; avx512_bf16 {'yes' if 'avx512_bf16' in flags else 'no'}, amx_bf16 "
+        f"{'yes' if 'amx_bf16' in flags else 'no'}. This pilot sampled in float32 regardless."
     )
     description = (
         f"SmolLM2-135M-Instruct from `{recipe['model']}`, untrained; {problems} distinct problems x {GROUP} "
-        f"samples per candidate, temperature {TEMPERATURE}, chat template (no system prompt), otbrl's "
-        "sampler in float32, at most 128 new tokens, 1 thread. Accuracy = final number correct, its SE "
-        "over problems; 'groups with spread' = share of problems whose 4 answers were not all scored alike; "
-        "length CV = population SD / mean of a group's 4 completion lengths (tokens, eos included), averaged "
-        "over groups. Problems and held-out problems are counted from each task's enumeration.\n\n"
-        + capability
+        "samples per candidate and temperature (stage 2 at T=0.7 only when no candidate qualified at T=1), "
+        "chat template (no system prompt), otbrl's sampler in float32, at most 128 new tokens, 1 thread. "
+        "Accuracy = final number correct, its SE over problems; 'groups with spread' = share of problems "
+        "whose 4 answers were not all scored alike; length CV = population SD / mean of a group's 4 "
+        "completion lengths (tokens, eos included), averaged over groups. Problems and held-out problems "
+        "are counted from each task's enumeration. 'wall s' is wall-clock time on a shared, loaded "
+        "machine.\n\n" + capability
     )
     if chosen is None:
         verdict = "No candidate qualified, not even under the fallback: no task is picked by this pilot."
     else:
         verdict = (
             f"Picked by the rule in the script's docstring (committed before this ran; tier: {tier}): "
-            f"**{chosen}**."
+            f"**{chosen[0]} at T={chosen[1]}**."
         )
     verdict += (
         "\n\nAccuracy and median length by how many numbers the problem poses (sums: terms; units: one "
@@ -270,15 +296,11 @@ def main() -> None:
         table,
         verdict,
     )
-    data = {
-        name: {k: v for k, v in r.items() if k != "samples"} | {"samples": r["samples"]}
-        for name, r in results.items()
-    }
+    data = [{"task": name, "temperature": temperature, **r} for (name, temperature), r in results.items()]
     blob = out.with_suffix(".json.gz")
     with blob.open("wb") as raw, gzip.GzipFile("", "wb", 9, raw, mtime=0) as f:
-        f.write(
-            json.dumps({"pick": chosen, "tier": tier, "candidates": data}, separators=(",", ":")).encode()
-        )
+        record = {"pick": chosen, "tier": tier, "candidates": data}
+        f.write(json.dumps(record, separators=(",", ":")).encode())
     print(f"wrote {blob}")
 
 
