@@ -12,9 +12,11 @@ from typing import Any
 
 from otbrl.tasks.builtin import TASKS, Task, dataset, get_task
 from otbrl.tasks.chat import CHAT_TASKS
+from otbrl.tasks.chat_problems import PROBLEM_TASKS
 from otbrl.tasks.tokenizer import VOCAB_SIZE, char_tokenizer
 
 TASKS.update(CHAT_TASKS)  # one registry: recipes name chat tasks like the built-in ones
+TASKS.update(PROBLEM_TASKS)
 
 _LAZY = {
     "PRESETS": "models",

@@ -42,6 +42,9 @@ class Task:
     # "char": written in the tiny models' character vocabulary (`otbrl.tasks.tokenizer`); "text": natural
     # language for a pretrained model's own tokenizer (`otbrl.tasks.chat`)
     vocabulary: str = "char"
+    # Every problem key (`split_key`'s values) where the space is enumerable: tests and pilots count the
+    # held-out problems exactly instead of estimating them from draws (`otbrl.tasks.chat_problems`).
+    problems: Callable[[], frozenset[str]] | None = None
 
     def score(self, prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
         """Rewards of a batch, in the form `otbrl.rollout.evaluate` takes."""
