@@ -43,6 +43,7 @@ from studies.inference import (
 from studies.multiplicity import holm, p_above, p_ratio_below
 from studies.outcomes import cells, critical_lr, split, stability_verdict
 from studies.pages import kilo, markdown_table
+from studies.variance_a import mechanism_claim
 from studies.variance_page import GROUP_MEAN, command, ratio_name, task_horizon
 
 Row = tuple[str, str, str, str]  # claim, measurement, verdict, command
@@ -680,6 +681,9 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         rows.extend(out if isinstance(out, list) else [out])
 
     add(smollm2, "smollm2", lambda r: comparison_rows(r, "smollm2"))  # the real model: read first
+    registered = mechanism_claim(results)  # (a) under its registered protocol (issue 33), when it exists
+    if registered is not None:
+        rows.append(registered.row())
     add(var, "variance", variance_claim)
     add(var_walk, "variance-walk", variance_claim)
     add(var, "variance", proxy_claim)
