@@ -683,7 +683,8 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
     add(smollm2, "smollm2", lambda r: comparison_rows(r, "smollm2"))  # the real model: read first
     registered = mechanism_claim(results)  # (a) under its registered protocol (issue 33), when it exists
     if registered is not None:
-        rows.append(registered.row())
+        claim, measured, verdict_cell, cmd = registered.row()
+        rows.append((claim, measured, verdict_cell, f"`{cmd}`"))
     add(var, "variance", variance_claim)
     add(var_walk, "variance-walk", variance_claim)
     add(var, "variance", proxy_claim)
@@ -780,11 +781,11 @@ def readme_block(claims_md: Path, readme: Path) -> str:
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")] if line.startswith("| ") else []
         if len(cells) == 4 and cells[0] != "claim" and not set(cells[0]) <= set("-"):
             verdict = re.match(r"\*\*([^*]+)\*\*|([^:(]+)", cells[2])
-            where = re.search(r"--task (\S+)|compare (\S+?)`", cells[3])
+            where = re.search(r"--task (\S+)|compare (\S+?)`|studies (variance-\w+)", cells[3])
             rows.append(
                 [
                     cells[0],
-                    f"`{where[1] or where[2]}`" if where else "—",
+                    f"`{where[1] or where[2] or where[3]}`" if where else "—",
                     f"**{(verdict[1] or verdict[2]).strip()}**" if verdict else cells[2],
                 ]
             )
