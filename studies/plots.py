@@ -153,7 +153,7 @@ def plot_registered_variance(
     plt = pyplot()
     cells = list(buckets)
     kinds = [("all", "o", "k"), ("early", "s", "tab:blue"), ("late", "^", "tab:orange")]
-    fig, ax = plt.subplots(figsize=(8, 0.55 * len(cells) * len(kinds) + 1.2))
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(cells) * (len(kinds) + 1) + 1.5))
     for i, cell in enumerate(cells):
         for j, (bucket, marker, colour) in enumerate(kinds):
             iv = buckets[cell][bucket]["ratio"]
@@ -175,6 +175,9 @@ def plot_registered_variance(
     ax.axvline(1.0, color="grey", ls="--", lw=1)
     ax.set_yticks([-(i * (len(kinds) + 1) + 1) for i in range(len(cells))], cells, fontsize=8)
     ax.set_xscale("log")
+    ticks = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_xlabel(f"NSR({candidate}) / NSR({baseline}), 95% interval (no bar: undetermined)")
     ax.grid(True, axis="x", which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best", title="tokens")

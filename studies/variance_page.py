@@ -352,6 +352,9 @@ def write_registered_page(study: Any, results: Any, data: Any) -> Any:
         *_registration_lines(data, "pilot"),
         *_registration_lines(data, "main"),
         "",
+        "It replaces, for claim (a), the legacy study without a registered protocol "
+        "([variance.md](variance.md), [variance-walk.md](variance-walk.md)).",
+        "",
         "Regenerate this page from the committed per-batch data alone (docs/results/variance-a/): "
         "`python -m studies variance-a --no-run`. Measure (resuming): "
         "`python -m studies variance-a --pilot`, then `python -m studies variance-a` (one torch thread).",
@@ -451,6 +454,8 @@ def _registered_results(
             bucket_rows,
         ),
         "",
+        _bucket_reading(stats),
+        "",
         "## The samples, per cell (means over the batches)",
         "",
         "Length CV, energy CV: within-group std / mean of the response length and of W_T; reward spread: the "
@@ -473,6 +478,21 @@ def _registered_results(
         ),
         "",
     ]
+
+
+def _bucket_reading(stats: dict) -> str:
+    """One descriptive sentence on the buckets (counted from the table; no test, no verdict)."""
+    pairs = [(s["buckets"]["early"]["ratio"], s["buckets"]["late"]["ratio"]) for s in stats.values()]
+    lower = sum(late.ratio < early.ratio for early, late in pairs)
+    below = {
+        b: sum(math.isfinite(iv.hi) and iv.hi < 1 for iv in (p[i] for p in pairs))
+        for i, b in enumerate(("early", "late"))
+    }
+    return (
+        f"Read descriptively (the protocol tests no bucket): the late-token ratio is below the early-token "
+        f"ratio in {lower} of {len(pairs)} cells; the interval lies below 1 for the early tokens in "
+        f"{below['early']} and for the late tokens in {below['late']} of them."
+    )
 
 
 def _pilot_section(study: Any, pilot: dict, power_plan: Any, cell_stats: Any) -> list[str]:
