@@ -243,14 +243,16 @@ def page(record: dict[str, Any]) -> str:
         f"{'yes' if 'amx_bf16' in flags else 'no'}). On a CPU without them bf16 autocast is emulated and "
         "several times slower (CPU_NOTES: 338 s against 48 s a step); these times do not carry over there.",
         "",
-        f"Regenerate (from the repo root): `.venv/bin/python -m studies.llm_time --recipe {record['recipe']}`"
-        + (" --quick" if record.get("quick") else ""),
+        "Regenerate (from the repo root): `.venv/bin/python -m studies.llm_time --recipe "
+        + f"{record['recipe']} --steps {record['steps']} --eval-size {record['eval_size']}`"
+        + (" (--quick)" if record.get("quick") else ""),
         "",
         f"Recipe `{record['recipe']}`: otbrl's sampler, OTB, N=4, 4 prompts x 4 completions a step, "
         f"{record['steps']} steps from the untrained model, a held-out evaluation of {record['eval_size']} "
         "prompts before and after, one torch thread, seed 0. Timers wrap the phases from outside "
         "(studies/llm_time.py); wall time includes waiting for a core on this shared machine, CPU time is "
-        "the process's own.",
+        "the process's own. The steps ran at the untrained model's completion lengths; a step's cost moves "
+        "with the lengths as training changes them.",
         "",
     ]
     header = ["phase"]
@@ -329,7 +331,146 @@ def page(record: dict[str, Any]) -> str:
         ),
         "",
     ]
+    lines += cost_section(record)
+    lines += cuts_section(record)
     return "\n".join(lines) + "\n"
+
+
+def cuts_section(record: dict[str, Any]) -> list[str]:
+    """Which cuts keep the protocol's numbers, with the measured cost of what they remove."""
+    fp32 = next(r for r in record["runs"] if not r["bf16"])
+    ph = fp32["phases"]
+    evals = max(sum(p[1] for p in ph if p[0] == "held-out evaluation"), 1)
+    ev_cpu = _sum(ph, lambda p: p == "held-out evaluation", False, True) / evals
+    ev_energy = _sum(
+        ph, lambda p: p.startswith("held-out evaluation") and p.endswith("/ energy"), False, True
+    )
+    ev_loop_own = _sum(ph, lambda p: p == "held-out evaluation / sampler loop", True, True)
+    saves = _sum(ph, lambda p: p.endswith("save model"), False, False)
+    save_calls = sum(p[1] for p in ph if p[0].endswith("save model"))
+    bf16 = next((r for r in record["runs"] if r["bf16"]), None)
+    ratio = ""
+    if bf16 is not None:
+        a = sum(v for _, v in breakdown(fp32, True)) / max(fp32["steps"], 1)
+        b = sum(v for _, v in breakdown(bf16, True)) / max(bf16["steps"], 1)
+        ea = _sum(ph, lambda p: p == "held-out evaluation", False, True)
+        eb = _sum(bf16["phases"], lambda p: p == "held-out evaluation", False, True)
+        ratio = (
+            f" Here bf16 autocast took {b / a:.2f}x float32's CPU time a training step and "
+            f"{eb / max(ea, 1e-9):.2f}x its held-out evaluation."
+        )
+    return [
+        "## Cuts, and whether they keep the protocol's numbers",
+        "",
+        "Keep every number (the same tokens drawn, the same scores and updates):",
+        "",
+        f"- The held-out evaluation computes each sampled token's energy and log-prob and never uses them: "
+        f"{ev_energy / evals:.1f} CPU s of energy and {ev_loop_own / evals:.1f} s of the loop's own work "
+        f"(log-softmax, draw, bookkeeping) per evaluation of {record['eval_size']} prompts, out of "
+        f"{ev_cpu:.1f}. Skipping the energy and log-prob there draws the same tokens (they are computed "
+        "beside the draw, not for it). It needs an option in `otbrl.rollout` (not in this issue's files).",
+        f"- Saving: {save_calls} `save_model` calls took {saves:.0f} s of wall time in this run (a 540 MB "
+        "float32 checkpoint each). The scores come from the evaluation, not from saved weights.",
+        "- Already in place: the step-0 evaluation is computed once per seed and shared by its arms "
+        "(`otbrl.app.heldout_cache`), and runs go as one-thread processes side by side.",
+        "",
+        "Keep the protocol's meaning but not its exact samples (so fixed in the protocol before its first "
+        "run, never switched mid-experiment):",
+        "",
+        "- Evaluating in chunks instead of all held-out prompts in one batch (table above): the random "
+        "stream is consumed in another order.",
+        "- Dropping finished rows from the decoding batch: the loop decodes every row until the longest ends "
+        "(up to the 128-token cap), so a batch costs about rows x its longest completion, not the sum of the "
+        "lengths; dropping rows changes which random numbers each row draws.",
+        "- bf16 autocast where every machine of the protocol computes bf16 natively (AMX or AVX-512 BF16); "
+        "float32 where any machine lacks it (emulated bf16 is several times slower)." + ratio,
+        "- A static KV cache instead of one that grows by concatenation every step: the same arithmetic, "
+        "but other kernels, whose float rounding may differ.",
+        "",
+    ]
+
+
+# The draft smollm2b protocol's shape (studies/experiments/smollm2b.yaml): what a seed costs
+PROTOCOL_TOKENS = 20_000  # generated tokens per arm
+PROTOCOL_EVAL = (
+    1024  # held-out prompts per evaluation: one at step 0 (shared by a seed's arms), one at the end
+)
+PROTOCOL_ARMS = 3
+
+
+def cost_section(record: dict[str, Any]) -> list[str]:
+    """CPU minutes of one seed of the draft protocol (3 arms x 20k tokens, 1 + 3 evaluations of 1,024
+    prompts), from this page's float32 measurements at the two evaluation batch sizes measured, and in
+    bf16 autocast (its measured ratios to float32) where the CPU computes bf16 natively."""
+    fp32 = next(r for r in record["runs"] if not r["bf16"])
+    steps = max(fp32["steps"], 1)
+    step_cpu = sum(v for _, v in breakdown(fp32, True)) / steps
+    tokens = fp32["tokens"] / steps
+    train = PROTOCOL_TOKENS / max(tokens, 1) * step_cpu
+    whole, chunked = record["eval"][0], record["eval"][1]
+    rows = []
+    for label, e in (
+        (f"float32, batches of {whole['batch']}", whole),
+        (f"float32, batches of {chunked['batch']}", chunked),
+    ):
+        ev = e["cpu"] / e["prompts"] * PROTOCOL_EVAL
+        seed = PROTOCOL_ARMS * train + (1 + PROTOCOL_ARMS) * ev
+        rows.append(
+            [label, f"{train / 60:.0f}", f"{ev / 60:.0f}", f"{seed / 60:.0f}", f"{2 * 3600 / seed:.2f}"]
+        )
+    bf16 = next((r for r in record["runs"] if r["bf16"]), None)
+    if bf16 is not None:  # bf16's training step as measured; its evaluation at float32's ratio in-run
+        b_train = PROTOCOL_TOKENS / max(bf16["tokens"] / max(bf16["steps"], 1), 1)
+        b_train *= sum(v for _, v in breakdown(bf16, True)) / max(bf16["steps"], 1)
+        ratio = _sum(bf16["phases"], lambda p: p == "held-out evaluation", False, True) / max(
+            _sum(fp32["phases"], lambda p: p == "held-out evaluation", False, True), 1e-9
+        )
+        ev = whole["cpu"] / whole["prompts"] * PROTOCOL_EVAL * ratio
+        seed = PROTOCOL_ARMS * b_train + (1 + PROTOCOL_ARMS) * ev
+        rows.append(
+            [
+                f"bf16 autocast, batches of {whole['batch']} (native-bf16 machines only)",
+                f"{b_train / 60:.0f}",
+                f"{ev / 60:.0f}",
+                f"{seed / 60:.0f}",
+                f"{2 * 3600 / seed:.2f}",
+            ]
+        )
+    from studies.pages import markdown_table
+
+    return [
+        "## What a seed of the draft protocol costs here (estimated)",
+        "",
+        f"From the float32 rows above: {step_cpu:.0f} CPU s and {tokens:.0f} generated tokens a "
+        f"training step; a seed is {PROTOCOL_ARMS} arms x {PROTOCOL_TOKENS:,} tokens plus "
+        f"{1 + PROTOCOL_ARMS} held-out evaluations of {PROTOCOL_EVAL:,} prompts (step 0, shared by the "
+        "arms, and each arm's last). Seeds an hour assume two one-thread processes with a core each; on "
+        f"this loaded machine expect less. Per prompt, one batch of {whole['batch']} cost "
+        f"{whole['cpu'] / whole['prompts']:.2f} CPU s and chunks of {chunked['batch']} "
+        f"{chunked['cpu'] / chunked['prompts']:.2f}; the table applies each to 1,024 prompts "
+        + (
+            "(one batch of 1,024, today's evaluation, costs at least as much per prompt as the measured "
+            "batch: the per-prompt cost grew with the batch here)."
+            if whole["cpu"] / whole["prompts"] > chunked["cpu"] / chunked["prompts"]
+            else "(here the larger batch was not dearer per prompt)."
+        )
+        + " One batch of 1,024 was not measured: SmolLM2-135M's KV cache takes 46 KB a token in float32 "
+        "(30 layers x keys and values x 3 KV heads x 64 x 4 bytes), about 9 GB for 1,024 rows of ~190 "
+        "tokens, beside the other runs on this 24 GiB machine; today's `evaluate` samples all its prompts in "
+        "one batch, so a 1,024-prompt protocol needs the evaluation chunked.",
+        "",
+        markdown_table(
+            [
+                "precision, evaluation batching",
+                "train CPU min/arm",
+                "CPU min/evaluation",
+                "CPU min/seed",
+                "seeds/hour, 2 cores",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
 
 def main() -> None:
