@@ -182,13 +182,15 @@ def by_numbers(samples: list[dict[str, Any]]) -> dict[int, tuple[int, float, flo
     }
 
 
-def measure(model: Any, tokenizer: Any, problems: int) -> dict[tuple[str, float], dict[str, Any]]:
+def measure(
+    model: Any, tokenizer: Any, problems: int, candidates: tuple[str, ...] = CANDIDATES
+) -> dict[tuple[str, float], dict[str, Any]]:
     """Stage 1 at T=1; stage 2 at T=0.7 only when no candidate qualifies under the rule at T=1."""
     results: dict[tuple[str, float], dict[str, Any]] = {}
     for temperature in TEMPERATURES:
         if any(qualifies(r, RULE) for r in results.values()):
             break
-        for name in CANDIDATES:
+        for name in candidates:
             total, heldout = space(name)
             r = {
                 "problems": total,
@@ -204,16 +206,20 @@ def measure(model: Any, tokenizer: Any, problems: int) -> dict[tuple[str, float]
     return results
 
 
-def main() -> None:
+def main(
+    candidates: tuple[str, ...] = CANDIDATES,
+    number: int = 2,
+) -> None:
+    """Run the pilot on `candidates` and write docs/results/llm-pilot{number}.md (and .json.gz)."""
     quick, out, _ = command_line(
-        "Real-model task pilot of issue 34", "4 problems per candidate", "llm-pilot2.md"
+        "Real-model task pilot of issue 34", "4 problems per candidate", f"llm-pilot{number}.md"
     )
     torch.set_num_threads(1)
     recipe = choose_model(load_recipe("smollm2-rows"), print)
     model, tokenizer = load_model(recipe, print, load_tokenizer(recipe))
     model.eval()
     problems = 4 if quick else PROBLEMS
-    results = measure(model, tokenizer, problems)
+    results = measure(model, tokenizer, problems, candidates)
     chosen, tier = pick(results)
     rows = [
         [
@@ -288,8 +294,8 @@ def main() -> None:
     )
     write_result(
         out,
-        "Real-model task pilot 2 (issue 34): SmolLM2-135M-Instruct",
-        "-m studies.llm_pilot2",
+        f"Real-model task pilot {number} (issue 34): SmolLM2-135M-Instruct",
+        f"-m studies.llm_pilot{number}",
         quick,
         1,
         description,

@@ -254,6 +254,45 @@ def story_problems() -> frozenset[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the same problems after one worked example (issue 34's second pilot round)
+# ---------------------------------------------------------------------------------------------------------
+
+# Why: in the first pilot (docs/results/llm-pilot2.md) the model wrote off-topic text and got three or
+# more numbers almost never right. One worked example before the question shows the working a step at a
+# time, so the working's length grows with the problem's steps. The example is fixed and its numbers are
+# not part of the problem: the keys read only the text after it.
+EXAMPLE_BREAK = "\n\nNow: "
+SUM_EXAMPLE = "Example: What is 2 + 6 + 1? Working: 2 + 6 = 8, then 8 + 1 = 9. The answer is 9."
+STORY_EXAMPLE = (
+    "Example: Ann has 5 pens. She buys 3 more. Then she loses 2. How many pens does Ann have now? "
+    "Working: 5 + 3 = 8, then 8 - 2 = 6. The answer is 6."
+)
+
+
+def after_example(prompt: str) -> str:
+    """The question a worked-example prompt asks (the whole prompt when it has no example)."""
+    return prompt.rpartition(EXAMPLE_BREAK)[2]
+
+
+def shown_key(prompt: str) -> str:
+    """`problem_key` of the question after the worked example."""
+    return problem_key(after_example(prompt))
+
+
+def make_addlist_shown(rng: random.Random) -> tuple[str, str]:
+    """`make_addlist`'s problems after one worked example: `"Example: What is 2 + 6 + 1? Working: ...
+    The answer is 9.\n\nNow: What is 3 + 8 + 5?"` -> `"16"`."""
+    prompt, answer = make_addlist(rng)
+    return SUM_EXAMPLE + EXAMPLE_BREAK + prompt, answer
+
+
+def make_story_shown(rng: random.Random) -> tuple[str, str]:
+    """`make_story`'s problems after one worked example (a start, a gain and a loss)."""
+    prompt, answer = make_story(rng)
+    return STORY_EXAMPLE + EXAMPLE_BREAK + prompt, answer
+
+
+# ---------------------------------------------------------------------------------------------------------
 # registry
 # ---------------------------------------------------------------------------------------------------------
 
@@ -304,6 +343,20 @@ PROBLEM_TASKS: dict[str, Task] = {
             make_units,
             units_key,
             units_problems,
+        ),
+        _task(
+            "chat_addlist_shown",
+            "chat_addlist after one worked example ('Example: What is 2 + 6 + 1? Working: 2 + 6 = 8, ...')",
+            make_addlist_shown,
+            shown_key,
+            sum_problems,
+        ),
+        _task(
+            "chat_story_shown",
+            "chat_story after one worked example ('Example: Ann has 5 pens. ... Working: 5 + 3 = 8, ...')",
+            make_story_shown,
+            shown_key,
+            story_problems,
         ),
         _task(
             "chat_story",

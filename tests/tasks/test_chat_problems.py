@@ -150,6 +150,24 @@ def test_stories_pose_their_answers_and_never_go_below_zero():
         assert int(answer) == start + sum(s * n for s, n in zip(signs, steps, strict=True))
 
 
+def test_worked_example_prompts_key_and_answer_the_question_after_the_example():
+    from otbrl.tasks.chat_problems import EXAMPLE_BREAK, after_example, make_addlist_shown, make_story_shown
+
+    rng = random.Random(5)
+    for make in (make_addlist_shown, make_story_shown):
+        for _ in range(100):
+            prompt, answer = make(rng)
+            example, _, question = prompt.partition(EXAMPLE_BREAK)
+            assert example.startswith("Example: ") and after_example(prompt) == question
+            name = "chat_addlist_shown" if make is make_addlist_shown else "chat_story_shown"
+            key = get_task(name).split_key(prompt)
+            assert key == ",".join(
+                map(str, sorted(_numbers(question)))
+            )  # the example's numbers are not in it
+    prompt, answer = make_addlist_shown(random.Random(0))
+    assert int(answer) == sum(_numbers(after_example(prompt)))
+
+
 def test_chat_rows_and_chat_sums_draw_what_they_drew_before_issue_34():
     """The smollm2 experiment's prompts: the same rows, byte for byte, as before these tasks were added
     (the digest was taken at the commit before them)."""
