@@ -394,7 +394,7 @@ def _registered_results(
     loads = [x for r in main.values() for x in r["load_average"]]
     cpu = sum(b["cpu_seconds"] for r in main.values() for b in r["batches"])
     wall = sum(b["wall_seconds"] for r in main.values() for b in r["batches"])
-    head = ["cell", "K", f"NSR({cand})", f"NSR({base})", "ratio [95% interval]"]
+    head = ["cell", "K", f"NSR({cand})", f"NSR({base})", "ratio [95% interval]", "SE of log ratio"]
     rows = [
         [
             f"{c.task} {c.checkpoint} N={c.n}",
@@ -402,9 +402,18 @@ def _registered_results(
             _iv(s["buckets"]["all"]["nsr"][cand], 2),
             _iv(s["buckets"]["all"]["nsr"][base], 2),
             _iv(s["buckets"]["all"]["ratio"]),
+            f"{s['buckets']['all']['ratio'].log_se:.3f}",
         ]
         for c, s in stats.items()
     ]
+    below = sum(
+        math.isfinite(s["buckets"]["all"]["ratio"].hi) and s["buckets"]["all"]["ratio"].hi < 1
+        for s in stats.values()
+    )
+    above = sum(
+        math.isfinite(s["buckets"]["all"]["ratio"].lo) and s["buckets"]["all"]["ratio"].lo > 1
+        for s in stats.values()
+    )
     bucket_rows = [
         [
             f"{c.task} {c.checkpoint} N={c.n}",
@@ -444,6 +453,10 @@ def _registered_results(
         "## Primary: every cell, all policy tokens",
         "",
         markdown_table(head, rows),
+        "",
+        f"The interval lies below 1 in {below} of {len(stats)} cells and above 1 in {above}. The K are the "
+        "registered power rule's, scaled to the CPU budget (see the pilot section below for the power "
+        "they were planned to reach).",
         "",
         "## Secondary: by position bucket (no verdict)",
         "",
