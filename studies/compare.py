@@ -30,6 +30,7 @@ from studies.outcomes import (
     SURGE_HISTORY,
     SURGE_SMOOTH,
     analyse,
+    budget_pairs,
     ladder_table,
     plot_ladder,
     plot_ladder_runs,
@@ -788,8 +789,7 @@ def power_plans(exp: Experiment, runs: list[Run], records: Path | None) -> list[
     arms = set(piloted(exp))  # an arm fixed outside the pilot has no pilot data to plan its comparison on
     for c in (c for c in exp.comparisons if {c["candidate"], c["baseline"]} <= arms):
         budget = int(c.get("primary", c.get("budgets", [0])[-1]))
-        budgets = [int(b) for b in c.get("budgets", [])]
-        base_budgets = [int(b) for b in c.get("baseline_budgets", budgets)]
+        budgets, base_budgets = budget_pairs(c)
         base_budget = base_budgets[budgets.index(budget)] if budget in budgets else budget
         cand, base = by_arm.get(c["candidate"], {}), by_arm.get(c["baseline"], {})
         diffs = [

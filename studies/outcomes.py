@@ -304,13 +304,19 @@ def same_n_baselines(exp: Experiment, spec: dict[str, Any]) -> list[str]:
     return [a for a in named if a not in (spec["candidate"], spec["baseline"])]
 
 
+def budget_pairs(spec: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """A comparison's candidate budgets and, index by index, the baseline budgets they are read against
+    (`baseline_budgets`, else the same)."""
+    budgets = [int(b) for b in spec.get("budgets", [])]
+    return budgets, [int(b) for b in spec.get("baseline_budgets", budgets)]
+
+
 def _heldout_endpoints(
     exp: Experiment, spec: dict[str, Any], cand: list[dict[str, Any]], base: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """The paired held-out endpoints of candidate against baseline at each of the spec's budgets."""
     kind, margin = spec.get("kind", "better"), float(spec.get("margin", 0.0))
-    budgets = [int(b) for b in spec.get("budgets", [])]
-    base_budgets = [int(b) for b in spec.get("baseline_budgets", budgets)]
+    budgets, base_budgets = budget_pairs(spec)
     out = []
     for b, bb in zip(budgets, base_budgets, strict=True):
         mine, theirs = (lambda r, b=b: r["heldout"].get(b)), (lambda r, bb=bb: r["heldout"].get(bb))
@@ -345,8 +351,7 @@ def _auc_endpoint(
     """The registered secondary endpoint `secondary: [auc]`: the paired difference of held-out AUC up to
     each side's primary budget (its last, without one), tested by the comparison's own rule."""
     kind, margin = spec.get("kind", "better"), float(spec.get("margin", 0.0))
-    budgets = [int(b) for b in spec.get("budgets", [])]
-    base_budgets = [int(b) for b in spec.get("baseline_budgets", budgets)]
+    budgets, base_budgets = budget_pairs(spec)
     end = budgets.index(int(spec["primary"])) + 1 if "primary" in spec else len(budgets)
     mine = _seed_values(cand, lambda r: heldout_auc(r["heldout"], budgets[:end]))
     theirs = _seed_values(base, lambda r: heldout_auc(r["heldout"], base_budgets[:end]))
