@@ -182,7 +182,12 @@ def coerce(key: str, value: Any) -> Any:
         return [_scalar(key, v, action) for v in value]
     if "list" in shapes and action.nargs in ("+", "*"):
         return [_scalar(key, value, action)]
-    return _scalar(key, value, action)
+    try:
+        return _scalar(key, value, action)
+    except ValueError as err:
+        if key in AUTO_KEYS:  # the one value the field's own type does not name
+            raise ValueError(f"{err} (or auto)") from None
+        raise
 
 
 # ----------------------------------------------------------------------------------------------------

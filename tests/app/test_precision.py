@@ -30,3 +30,10 @@ def test_cpu_flags_reads_the_flags_line(tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512_bf16\n\nprocessor\t: 1\n")
     assert cpu_flags(info) == {"fpu", "sse2", "avx512_bf16"}
     assert cpu_flags(tmp_path / "missing") == set()
+
+
+def test_a_bad_bf16_value_names_auto_too(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match=r"bf16: expected true or false, got 'maybe' \(or auto\)"):
+        load_recipe("demo", {"bf16": "maybe", "output_dir": str(tmp_path)})
