@@ -86,6 +86,11 @@ class RecipeKeys:
             Completions sampled and scored per held-out prompt: the score is their mean over all
             `eval_size` x `eval_samples` of them. More than one lowers the evaluation's own noise (its
             binomial SD) below the effects a comparison looks for.
+        eval_batch_size (`int` or `None`, *optional*, defaults to `None`):
+            Held-out completions decoded at a time (`None`: all at once). A bound on the evaluation's
+            memory (its KV cache grows with the batch): set it when many runs share one GPU or a large
+            evaluation does not fit. Chunks draw other samples than one batch would (same seed, same
+            distribution), so a registered experiment keeps the value it was registered with.
         eval_at_tokens (`list[int]` or `None`, *optional*, defaults to `None`):
             Held-out evaluation also at these budgets of generated tokens (at the first step that reaches
             each), so that arms with different group sizes are compared at equal cost.
@@ -138,6 +143,7 @@ class RecipeKeys:
     train_size: int = 4096
     eval_size: int = 128
     eval_samples: int = 1
+    eval_batch_size: int | None = None
     eval_at_tokens: list[int] | None = None
     eval_before: bool = True
     max_generated_tokens: int | None = None

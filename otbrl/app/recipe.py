@@ -246,6 +246,7 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
         "max_completion_length",
         "eval_size",
         "eval_samples",
+        "eval_batch_size",
         "train_size",
         "threads",
         "max_turns",

@@ -26,36 +26,46 @@ def evaluate(
     max_turns: int = 0,
     progress: bool = False,
     samples: int = 1,
+    batch_size: int | None = None,
 ) -> float:
     """Mean of `score` over `samples` completions per row ({"prompt", "answer"}), sampled at
     `temperature` (reproducible given `seed`), with tool calls between turns when `tools` names any.
     `progress`: a bar over the decoding steps (at most `max_new_tokens`; the same numbers with or without
-    it). Leaves the model in eval mode."""
+    it). `batch_size`: decode at most this many completions at a time (None: all at once), which bounds
+    the KV cache's memory; chunks continue one random stream, so a chunked evaluation is reproducible but
+    draws other samples than an unchunked one. Leaves the model in eval mode."""
     if not rows:
         raise ValueError("rows: nothing to evaluate")
     if samples < 1:
         raise ValueError(f"samples: must be >= 1, got {samples}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size: must be >= 1 or None, got {batch_size}")
     model.eval()
     gen = torch.Generator(device=model.device).manual_seed(seed)
     rows = [r for r in rows for _ in range(samples)]  # each prompt's samples side by side
     prompts = [r["prompt"] for r in rows]
+    size = batch_size or len(prompts)
+    chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
     bar = None
     if progress and not tools:  # multi-turn decoding has no fixed step count to show
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=max_new_tokens, desc=f"held-out, {len(rows)} prompts", unit="step", leave=False)
+        total = max_new_tokens * len(chunks)
+        bar = tqdm(total=total, desc=f"held-out, {len(rows)} prompts", unit="step", leave=False)
+    texts: list[str] = []
     try:
-        texts = sample_texts(
-            model,
-            tokenizer,
-            prompts,
-            max_new_tokens,
-            temperature,
-            gen,
-            tools,
-            max_turns,
-            on_step=None if bar is None else lambda: bar.update(1),
-        )
+        for chunk in chunks:
+            texts += sample_texts(
+                model,
+                tokenizer,
+                chunk,
+                max_new_tokens,
+                temperature,
+                gen,
+                tools,
+                max_turns,
+                on_step=None if bar is None else lambda: bar.update(1),
+            )
     finally:
         if bar is not None:
             bar.close()

@@ -436,3 +436,37 @@ def test_several_samples_per_prompt_score_their_mean():
     assert 0.0 <= many <= 1.0 and one == evaluate(model, tok, rows, score, 8, seed=4, samples=1)
     with pytest.raises(ValueError, match="samples"):
         evaluate(model, tok, rows, score, 8, samples=0)
+
+
+def test_a_chunked_evaluation_bounds_the_batch_and_scores_every_completion(monkeypatch):
+    """evaluate(batch_size=k) decodes at most k completions at a time (the KV cache's bound), scores all
+    of them in order, is reproducible, and equals the one-batch evaluation where nothing is random
+    (greedy) or where k covers every row."""
+    from otbrl.rollout import evaluate
+
+    model, tok = biased_model({}), char_tokenizer()
+    rows = [{"prompt": t, "answer": "1"} for t in ("12+3=", "7+70=", "5+5=", "9+1=", "40+2=")]
+    seen: list[list[str]] = []
+
+    def score(p, c, a):  # noqa: ANN001, ANN202
+        seen.append(list(p))
+        return [float(len(x) % 2) + 0.1 * i for i, x in enumerate(c)]  # depends on order too
+
+    module = __import__("otbrl.rollout.evaluate", fromlist=["sample_texts"])
+    real, sizes = module.sample_texts, []
+
+    def spy(model, tokenizer, prompts, *args, **kwargs):  # noqa: ANN001, ANN202
+        sizes.append(len(prompts))
+        return real(model, tokenizer, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(module, "sample_texts", spy)
+    chunked = evaluate(model, tok, rows, score, 8, seed=2, samples=2, batch_size=3)
+    assert sizes == [3, 3, 3, 1] and seen[-1] == [r["prompt"] for r in rows for _ in range(2)]
+    assert chunked == evaluate(model, tok, rows, score, 8, seed=2, samples=2, batch_size=3)
+    sizes.clear()
+    whole = evaluate(model, tok, rows, score, 8, seed=2, batch_size=5)
+    assert sizes == [5] and whole == evaluate(model, tok, rows, score, 8, seed=2)
+    greedy = evaluate(model, tok, rows, score, 8, temperature=0.0, batch_size=2)
+    assert greedy == evaluate(model, tok, rows, score, 8, temperature=0.0)
+    with pytest.raises(ValueError, match="batch_size"):
+        evaluate(model, tok, rows, score, 8, batch_size=0)
