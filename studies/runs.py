@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from otbrl.app.gpu_memory import share_env
 from otbrl.app.heldout_cache import ENV as HELDOUT_CACHE_ENV
 from otbrl.app.metrics import read_metrics
 from studies.pages import read_record, write_record
@@ -266,15 +269,17 @@ def has_record(run: Run, records: Path | None) -> bool:
     return path.is_file() and read_record(path)["overrides"] == comparable(run.overrides)
 
 
-def _train(recipe: str, run: Run, heldout_cache: Path | None = None) -> tuple[int, str]:
+def _train(
+    recipe: str, run: Run, heldout_cache: Path | None = None, extra_env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Run `otbrl train` for one run in its own process, its output in the run's train.log; runs given
-    the same `heldout_cache` folder share step-0 held-out scores that would be equal (`heldout_cache`).
-    Returns (exit code, a line that says why it failed, or "")."""
+    the same `heldout_cache` folder share step-0 held-out scores that would be equal (`heldout_cache`);
+    `extra_env` is added to its environment. Returns (exit code, a line that says why it failed, or "")."""
     run.dir.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "otbrl.app.cli", "train", "--config", recipe]
     for key, value in run.overrides.items():
         args += [f"--{key}", json.dumps(value) if isinstance(value, dict | list | bool) else str(value)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(run.overrides["threads"])}
+    env = {**os.environ, "OMP_NUM_THREADS": str(run.overrides["threads"]), **(extra_env or {})}
     if heldout_cache is not None:
         env[HELDOUT_CACHE_ENV] = str(heldout_cache)
     log_path = run.dir / "train.log"
@@ -325,6 +330,8 @@ def execute(
     shared = Path(os.path.commonpath([str(r.dir) for r in todo])) / ".heldout-before" if todo else None
 
     env = environment() if todo else None
+    # runs that share a GPU each get an equal cap on its memory (no number changes; see gpu_memory)
+    gpu = share_env(jobs) if torch.cuda.is_available() else {}
 
     def one(run: Run) -> None:
         start = time.perf_counter()
@@ -336,7 +343,7 @@ def execute(
         if started.is_file():
             first = json.loads(started.read_text())
         started.write_text(json.dumps({**first, "environment": env}))
-        code, failure = _train(recipe, run, shared)
+        code, failure = _train(recipe, run, shared, gpu)
         if failure:
             failures.append(failure)
         else:

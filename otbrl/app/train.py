@@ -20,6 +20,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from otbrl.app.answers import completion_text, get_reward
 from otbrl.app.callbacks import PromptLedger, TokenBudgets, metrics_callback, progress_callback
+from otbrl.app.gpu_memory import apply_share, peak_gib
 from otbrl.app.heldout_cache import before_key, cache_folder, cached_score
 from otbrl.app.metrics import read_metrics
 from otbrl.app.plots import plot_curves
@@ -99,6 +100,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     if recipe["threads"]:
         torch.set_num_threads(int(recipe["threads"]))
     torch.manual_seed(recipe["seed"])
+    apply_share(log)  # before anything reaches the GPU
     config = make_config(recipe)  # load_recipe checked every rule; the data's own rules fail next
     why = resolve_bf16(recipe.get("bf16"), config.use_cpu)[1]
     log(why or f"precision: {'bf16 autocast' if config.bf16 else 'float32'}")
@@ -141,6 +143,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
                 max_turns,
                 progress=not config.disable_tqdm,
                 samples=recipe["eval_samples"],
+                batch_size=recipe["eval_batch_size"],
             )
 
     trainer = OTBGRPOTrainer(
@@ -167,6 +170,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
             "task": recipe["task"],
             # only when it changes the score: earlier one-sample keys stay valid
             **({"samples": recipe["eval_samples"]} if recipe["eval_samples"] > 1 else {}),
+            **({"batch_size": recipe["eval_batch_size"]} if recipe["eval_batch_size"] else {}),
         }
         log(f"held-out evaluation before training: {len(eval_rows)} prompts x {recipe['eval_samples']} each")
         folder = cache_folder()
@@ -193,6 +197,8 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     seconds = rows[-1].get("train_seconds", 0.0) if rows else 0.0  # the whole run, resumed parts too
     summary = summarise(metrics, config, before, after, seconds)
     summary["reward failures"] = reward_failures(metrics)
+    if (peak := peak_gib()) is not None:
+        summary["peak GPU memory (GiB)"] = peak
     (out / "summary.md").write_text(summary_table(summary) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if recipe["plot"]:

@@ -78,7 +78,7 @@ def test_protocol_is_registered_once_and_a_change_needs_an_amendment(tmp_path) -
 
 
 def _fake_train(calls: list[str], tokens: float = 100.0, budgets: tuple[int, ...] = (600, 1200)):
-    def train(recipe: str, run: runs.Run, heldout_cache: Path | None = None) -> tuple[int, str]:
+    def train(recipe: str, run: runs.Run, heldout_cache: Path | None = None, env=None) -> tuple[int, str]:
         calls.append(f"{run.arm}/{run.seed}")
         run.dir.mkdir(parents=True, exist_ok=True)
         rng = random.Random(f"{run.arm}{run.seed}")
@@ -458,3 +458,28 @@ def test_the_real_environment_names_the_device_and_versions() -> None:
     assert env["device"] and env["torch"] and env["cpus"] >= 1
     assert runs.environment_label(env).startswith(env["device"])
     assert runs.environment_label(None) == "not recorded"
+
+
+def test_runs_sharing_a_gpu_each_get_an_equal_memory_cap(tmp_path, monkeypatch) -> None:
+    """execute(jobs=k) on a CUDA machine gives every run's process OTBRL_GPU_MEMORY_FRACTION = 0.9/k (16
+    runs at once filled an 80 GB GPU: docs/results/gpu-crowd.md); none without CUDA, none for one job."""
+    from otbrl.app.gpu_memory import ENV
+
+    exp = load_experiment("walk")
+    todo = plan(exp, tmp_path / "runs")[:2]
+    seen: list[dict] = []
+
+    def call(args, stdout, stderr, env):  # noqa: ANN001, ANN202
+        seen.append(env)
+        return 1
+
+    monkeypatch.setattr(runs.subprocess, "call", call)
+    monkeypatch.setattr(runs, "environment", lambda: {})  # the machine description would ask the GPU
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(runs.torch.cuda, "is_available", lambda: True)
+    runs.execute("walk", exp.recipe, todo, jobs=4, log=lambda _: None)
+    assert [e[ENV] for e in seen] == ["0.2250", "0.2250"]
+    seen.clear()
+    monkeypatch.setattr(runs.torch.cuda, "is_available", lambda: False)
+    runs.execute("walk", exp.recipe, todo, jobs=4, log=lambda _: None)
+    assert len(seen) == 2 and all(ENV not in e for e in seen)
