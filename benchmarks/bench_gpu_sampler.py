@@ -34,6 +34,25 @@ def timed(call) -> tuple[float, int]:  # noqa: ANN001
     return time.perf_counter() - start, tokens
 
 
+def write_page(out: Path, rows: list[list[str]], gpu: str, size: str, cuda: bool, repeats: int) -> None:
+    import transformers
+
+    header = ["batch", "completion tokens", "otbrl sampler tok/s", "generate tok/s", "sampler / generate"]
+    description = (
+        f"GPU: {gpu}; torch {torch.__version__}, transformers {transformers.__version__}. {size} "
+        f"configuration, random weights, {'bf16' if cuda else 'float32'}; 32-token prompts; plain "
+        f"sampling at temperature 1; {repeats} timed call(s) per cell after one warm-up. The sampler "
+        "also returns each token's log-prob and OTB energy; generate returns tokens only."
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        f"# Sampling throughput on a GPU: otbrl's sampler against generate\n\n"
+        f"Machine: {machine(torch.get_num_threads())}.\n\n"
+        f"Regenerate on a CUDA machine (from the repo root): `python3 benchmarks/bench_gpu_sampler.py`\n\n"
+        f"{description}\n\n{markdown_table(header, rows)}\n"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -101,22 +120,7 @@ def main() -> None:
                 f"{speeds['otbrl sampler'] / speeds['generate']:.2f}x",
             ]
         )
-    import transformers
-
-    header = ["batch", "completion tokens", "otbrl sampler tok/s", "generate tok/s", "sampler / generate"]
-    description = (
-        f"GPU: {gpu}; torch {torch.__version__}, transformers {transformers.__version__}. {size} "
-        f"configuration, random weights, {'bf16' if cuda else 'float32'}; 32-token prompts; plain "
-        f"sampling at temperature 1; {args.repeats} timed call(s) per cell after one warm-up. The sampler "
-        "also returns each token's log-prob and OTB energy; generate returns tokens only."
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        f"# Sampling throughput on a GPU: otbrl's sampler against generate\n\n"
-        f"Machine: {machine(torch.get_num_threads())}.\n\n"
-        f"Regenerate on a CUDA machine (from the repo root): `python3 benchmarks/bench_gpu_sampler.py`\n\n"
-        f"{description}\n\n{markdown_table(header, rows)}\n"
-    )
+        write_page(out, rows, gpu, size, cuda, args.repeats)  # after every cell: a stop keeps them
     print(f"wrote {out}")
 
 

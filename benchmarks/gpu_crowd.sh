@@ -5,7 +5,8 @@
 # a plain `otbrl train` with its own output folder and log. After LIMIT seconds the runs still going are
 # stopped (exit 124: alive, not failed). Every run's log and exit status come back in $OUT/<TAG>-logs.tgz,
 # and each failed run's last lines are printed. COLD=1 empties the Triton and inductor caches first (a
-# fresh machine's state); PER_RUN_CACHE=1 gives every run a Triton cache of its own.
+# fresh machine's state); PER_RUN_CACHE=1 gives every run a Triton cache of its own; CAP=1 gives every GPU
+# run an equal cap on the GPU's memory (OTBRL_GPU_MEMORY_FRACTION = 0.9/GPU_RUNS, as studies' execute does).
 set -u
 out=${OUT:-gpu-crowd}; tag=${TAG:-crowd}; limit=${LIMIT:-120}; gpu_runs=${GPU_RUNS:-16}; cpu_runs=${CPU_RUNS:-8}
 work=$(mktemp -d /tmp/$tag.XXXX); mkdir -p "$out"
@@ -18,6 +19,7 @@ launch() {  # name index device
   mkdir -p "$dir"
   local env=(); [ "$where" = cpu ] && env+=(CUDA_VISIBLE_DEVICES=)
   [ -n "${PER_RUN_CACHE:-}" ] && env+=(TRITON_CACHE_DIR=$dir/triton-cache)
+  [ -n "${CAP:-}" ] && [ "$where" = gpu ] && env+=(OTBRL_GPU_MEMORY_FRACTION=$(awk "BEGIN{printf \"%.4f\", int(9000/$gpu_runs)/10000}"))
   ( env "${env[@]}" timeout "$limit" "${PYTHON:-python3}" -m otbrl.app.cli train --config walk --seed "$i" \
       --advantage_estimator "${arms[$((i % 3))]}" --num_generations $n --per_device_train_batch_size $batch \
       --learning_rate 5e-5 --max_generated_tokens 400000 --max_steps 5000 --eval_size 1024 --eval_before true \
