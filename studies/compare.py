@@ -25,13 +25,14 @@ from studies.experiment import (
     plan,
     variance_plan,
 )
-from studies.inference import power_plan, rule, verdict_text
+from studies.inference import NOT_TESTED, power_plan, rule, verdict_text
 from studies.outcomes import (
     SURGE_HISTORY,
     SURGE_SMOOTH,
     analyse,
     budget_pairs,
     ladder_table,
+    phenomenon_missing,
     plot_ladder,
     plot_ladder_runs,
 )
@@ -138,8 +139,10 @@ CONTROLS_NOTE = (
 )
 
 
-def comparisons_table(result: dict[str, Any]) -> str:
-    """One row per paired endpoint of each comparison: the mean difference, its interval, the verdict."""
+def comparisons_table(result: dict[str, Any], exp: Experiment | None = None) -> str:
+    """One row per paired endpoint of each comparison: the mean difference, its interval, the verdict.
+    With `exp`, a comparison whose two arms' runs miss the protocol's phenomenon floor reads "not tested",
+    as on claims.md (`outcomes.phenomenon_missing`)."""
     rows = []
     for c in result["comparisons"]:
         for h in c["heldout"]:
@@ -179,13 +182,12 @@ def comparisons_table(result: dict[str, Any]) -> str:
         kind = c["kind"] + (f", margin {c['margin']:g}" if c["kind"] == "matches" else "")
         if c.get("controls"):
             kind += "; held only if no same-N control passes"
+        verdict = f"**{verdict_text(c)}**"
+        missing = phenomenon_missing(result, exp, (c["candidate"], c["baseline"]))[0] if exp else ""
+        if missing:
+            verdict = f"**{NOT_TESTED}**: {missing} (the intervals alone would read {verdict_text(c)})"
         rows.append(
-            [
-                c["name"],
-                "**verdict**",
-                kind,
-                f"**{verdict_text(c)}**" + (f" ({c['interim']})" if c.get("interim") else ""),
-            ]
+            [c["name"], "**verdict**", kind, verdict + (f" ({c['interim']})" if c.get("interim") else "")]
         )
     return markdown_table(["comparison", "endpoint", "mean [95% CI] (seeds)", "verdict"], rows, aligned=False)
 
@@ -385,7 +387,7 @@ def report(
     if result["comparisons"]:
         parts.append(
             f"Paired comparisons ({exp.confidence:.0%} t intervals over seeds):\n\n"
-            + comparisons_table(result)
+            + comparisons_table(result, exp)
         )
         if any(c.get("controls") for c in result["comparisons"]):
             parts.append(CONTROLS_NOTE)

@@ -627,3 +627,28 @@ def plot_ladder_runs(
     fig.suptitle(textwrap.fill(title, int(13 * fig.get_figwidth())) + "\n" + legend, fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 0.95))
     save(fig, png, dpi=100, tight=False)
+
+
+def phenomenon_missing(res: dict[str, Any], exp: Any, arms: tuple[str, ...]) -> tuple[str, str]:
+    """(why the phenomenon the protocol requires, e.g. `phenomenon: {length_cv_run: 0.3}`, did not show
+    in the compared arms' runs, or "" when it did or none is required; the per-arm means in words). The
+    floor is read per comparison, over the runs of its two arms (issue 33: before, all arms were pooled,
+    so one arm's long-varying runs could carry another's)."""
+    out, shown = [], []
+    for key, floor in (exp.phenomenon or {}).items():
+        per_arm = {
+            a: [v for v in res["arms"].get(a, {}).get(key, []) if v is not None and v == v] for a in arms
+        }
+        values = [v for vals in per_arm.values() for v in vals]
+        if not values:
+            out.append(f"{key} not measured")
+            continue
+        mean = statistics.fmean(values)
+        each = ", ".join(f"{a} {statistics.fmean(v):.3f}" for a, v in per_arm.items() if v)
+        shown.append(f"{key} (floor {float(floor):g}): {each}; over both arms' runs {mean:.3f}")
+        if mean < float(floor):
+            out.append(
+                f"{key} {mean:.2f} < {float(floor):g} over the compared arms' runs "
+                "(the phenomenon did not show)"
+            )
+    return "; ".join(out), "; ".join(shown)
