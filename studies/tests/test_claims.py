@@ -266,3 +266,36 @@ def test_the_shipped_readme_states_what_claims_md_states() -> None:
     readme, page = root / "README.md", root / "docs" / "results" / "claims.md"
     section = readme.read_text().split(BEGIN)[1].split(END)[0].strip()
     assert section == readme_block(page, readme), "run `python -m studies claims --readme README.md`"
+
+
+def test_the_gap_section_reads_each_same_n_control_by_its_verdict():
+    """Claim (b) needs a gap (issue 33): a control that passes the matches test means no gap, one that
+    fails means a gap, an inconclusive one shows neither."""
+    from studies.claims import gap_section
+
+    def control(arm: str, verdict: str) -> dict:
+        iv = {"mean": -0.05, "lo": -0.06, "hi": -0.04, "n": 5, "confidence": 0.95}
+        return {
+            "arm": arm,
+            "verdict": verdict,
+            "heldout": [{"primary": True, "budget": 400, "baseline_budget": 1200, "interval": iv}],
+        }
+
+    res = {
+        "comparisons": [
+            {
+                "baseline": "grpo-N32",
+                "controls": [
+                    control("grpo-N4", "held"),
+                    control("dr_grpo-N4", "did not hold"),
+                    control("rloo-N4", "inconclusive"),
+                ],
+            }
+        ]
+    }
+    lines = gap_section({"x": res, "empty": None})
+    text = "\n".join(lines)
+    assert "grpo-N4 − grpo-N32" in text and "cannot single out OTB" in text
+    assert "dr_grpo-N4 − grpo-N32" in text and "(a gap)" in text
+    assert "rloo-N4 − grpo-N32" in text and "no gap shown either way" in text
+    assert gap_section({"x": {"comparisons": [{"baseline": "b"}]}}) == []
