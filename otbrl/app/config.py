@@ -108,6 +108,10 @@ class RecipeKeys:
             The warm start's own seed: runs with different `seed`s start from one model.
         warm_start_seconds (`float`, *optional*, defaults to `600.0`):
             Supervised training stops after this many seconds if the target is not reached.
+        warm_start_split (`str`, *optional*, defaults to `"all"`):
+            What the warm start trains on: `"train"`, the training side of the task's held-out split only
+            (no stage before RL sees a held-out prompt); `"all"`, the whole prompt space, held-out prompts
+            included (the shipped checkpoints that the registered experiments start from).
 
         > Machine and output
 
@@ -150,6 +154,7 @@ class RecipeKeys:
     warm_start_target: float = 0.3
     warm_start_seed: int = 0
     warm_start_seconds: float = 600.0
+    warm_start_split: str = "all"
     tools: list[str] | None = None
     max_turns: int | None = None
     threads: int | None = None

@@ -299,6 +299,8 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
         raise ValueError("chat: warm:/random: models use a character tokenizer without a chat template")
     if recipe["sampler"] not in ("trl", "otbrl"):
         raise ValueError(f"sampler: must be trl or otbrl, got {recipe['sampler']!r}")
+    if recipe["warm_start_split"] not in ("all", "train"):
+        raise ValueError(f"warm_start_split: must be all or train, got {recipe['warm_start_split']!r}")
     if recipe["chat"] and recipe["tools"]:
         raise ValueError("chat: tool rollouts take plain-text prompts; set chat: false or drop tools")
     options = recipe["estimator_options"]

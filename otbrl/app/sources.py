@@ -350,6 +350,7 @@ def load_model(recipe: dict[str, Any], log: Callable[[str], Any], tokenizer: Any
             target_reward=recipe["warm_start_target"],
             max_seconds=recipe["warm_start_seconds"],
             seed=recipe["warm_start_seed"],
+            split=recipe["warm_start_split"],
             log=log,
         )
         return model, tokenizer

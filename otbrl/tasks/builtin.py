@@ -153,6 +153,13 @@ def make_walk(rng: random.Random) -> tuple[str, str]:
     return f"{start:02d} to {target:02d}:", format_walk(list(range(start, target + step, step)))
 
 
+def walk_pair(prompt: str) -> str:
+    """The unordered endpoints of a walk prompt (`"52 to 37:"` -> `"37-52"`): a walk and its reversal pose
+    one problem for the split, so no held-out walk has its reversal trained on (`walk_pairs`)."""
+    a, _, b = prompt.rstrip(":").partition(" to ")
+    return "-".join(sorted((a, b)))
+
+
 def format_walk(positions: list[int]) -> str:
     """`[37, 38, 37]` -> `"37,38,37."`."""
     return ",".join(f"{p:02d}" for p in positions) + "."
@@ -263,6 +270,23 @@ TASKS: dict[str, Task] = {
             # 3,444 prompts in all: 1,142 held out, so an evaluation can score 1,024 distinct held-out
             # prompts (0.25 would leave 900)
             heldout_fraction=0.32,
+        ),
+        Task(
+            name="walk_pairs",
+            description="walk, with a walk and its reversal on the same side of the held-out split (the "
+            "split is keyed on the unordered endpoints), so no held-out walk's reversal is trained on",
+            max_completion_tokens=WALK_MAX_TOKENS,
+            make=make_walk,
+            reward=walk_reward,
+            demonstrate=demonstrate_walk,
+            # 1,722 endpoint pairs, 3,444 prompts: about 36% held out leaves >= 1,024 distinct prompts
+            heldout_fraction=0.36,
+            split_key=walk_pair,
+            problems=lambda: frozenset(
+                f"{a:02d}-{a + d:02d}"
+                for d in range(WALK_MIN_DISTANCE, WALK_MAX_DISTANCE + 1)
+                for a in range(100 - d)
+            ),
         ),
     )
 }

@@ -27,10 +27,12 @@ from transformers.utils import logging as hf_logging
 from otbrl.rollout.evaluate import evaluate
 from otbrl.tasks.builtin import TASKS, Task, dataset, get_task
 from otbrl.tasks.models import PRESETS, tiny_model
+from otbrl.tasks.split import draw
 from otbrl.tasks.tokenizer import char_tokenizer
 
 # Bump when a change to this module, the tasks or the models changes what a warm start produces.
 WARM_START_VERSION = 1
+SPLIT_CHOICES = ("all", "train")  # what the warm start draws from: the whole prompt space, or training's side
 
 
 # Warm starts that ship inside the package, so a fresh machine need not rebuild them (read-only): package
@@ -73,6 +75,14 @@ def supervised_batch(
         attn[i, : len(s)] = 1
         target[i, : len(s)] = torch.tensor(t)
     return ids, attn, target[:, 1:]
+
+
+def draws(task: Task, rng: random.Random, n: int, split: str | None) -> list[tuple[str, str]]:
+    """`n` supervised (prompt, answer) pairs: from the whole space (None) or the `"train"` side only."""
+    if split is None:
+        return [task.make(rng) for _ in range(n)]
+    make = lambda: task.make(rng)  # noqa: E731
+    return [draw(make, split, task.heldout_fraction, task.name, key=task.split_key) for _ in range(n)]
 
 
 def _cache_key(spec: dict[str, Any]) -> str:
@@ -124,6 +134,7 @@ def warm_start(
     weight_decay: float = 0.1,
     eval_every: int = 25,
     eval_size: int = 256,
+    split: str = "all",
     log: Callable[[str], Any] | None = print,
 ) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, dict[str, Any]]:
     """Train `tiny_model(preset, seed=seed)` on fresh `task_name` examples (AdamW, loss on answer and eos
@@ -135,7 +146,13 @@ def warm_start(
     a later call with the same settings loads it instead of training, unless the stored run missed the
     target with a smaller time budget than asked for now. `cache_dir=False` disables caching. `log`
     gets progress lines (and a tqdm bar); `None` silences it.
+
+    `split="train"` trains and picks its stopping point on the training side of the task's held-out
+    split only (`otbrl.tasks.split`), so no stage before RL sees a held-out prompt; `"all"` (the
+    checkpoints the registered experiments start from) draws from the whole prompt space.
     """
+    if split not in SPLIT_CHOICES:
+        raise ValueError(f"split: one of {SPLIT_CHOICES}, got {split!r}")
     task = get_task(task_name)
     spec = {
         "task": task.name,
@@ -148,6 +165,8 @@ def warm_start(
         "eval_every": eval_every,
         "eval_size": eval_size,
         "version": WARM_START_VERSION,
+        # only when set: the whole-space checkpoints keep their keys (and the experiments their starts)
+        **({"split": split} if split != "all" else {}),
     }
     path = None
     if cache_dir is not False:
@@ -180,7 +199,8 @@ def _train(
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))  # 20 warmup steps
     rng = random.Random(f"warm_start:{task.name}:{spec['seed']}")
-    eval_rows = dataset(task, spec["eval_size"], seed=10_000 + spec["seed"])
+    side = spec.get("split")  # None: the whole space
+    eval_rows = dataset(task, spec["eval_size"], seed=10_000 + spec["seed"], split=side)
     bar = _progress(max_seconds, task.name) if log else None
 
     def eval_reward() -> float:
@@ -202,7 +222,7 @@ def _train(
         history.append({"step": step, "seconds": round(time.perf_counter() - start, 2), **entry})
 
     while True:
-        pairs = [task.make(rng) for _ in range(spec["batch_size"])]
+        pairs = draws(task, rng, spec["batch_size"], side)
         batch = [{"prompt": p, "answer": a} for p, a in pairs]
         if task.demonstrate is not None:
             batch = [{**r, "segments": task.demonstrate(r["prompt"], r["answer"], rng)} for r in batch]
@@ -356,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--eval-size", type=int, default=256)
+    p.add_argument("--split", default="all", choices=SPLIT_CHOICES, help="train: the training side only")
     p.add_argument("--cache-dir", default=None, help="default: $OTBRL_CACHE or ~/.cache/otbrl")
     a = vars(p.parse_args(argv))
     _, _, info = warm_start(a.pop("task"), a.pop("preset"), **a)
