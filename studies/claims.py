@@ -43,7 +43,8 @@ from studies.inference import (
 from studies.multiplicity import holm, p_above, p_ratio_below
 from studies.outcomes import cells, critical_lr, phenomenon_missing, split, stability_verdict
 from studies.pages import kilo, markdown_table
-from studies.variance_a import mechanism_claim
+from studies.variance_a import STUDIES as STUDIES_A
+from studies.variance_a import mechanism_claim, protocol_path
 from studies.variance_page import GROUP_MEAN, command, ratio_name, task_horizon
 
 Row = tuple[str, str, str, str]  # claim, measurement, verdict, command
@@ -691,10 +692,11 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         rows.extend(out if isinstance(out, list) else [out])
 
     add(smollm2, "smollm2", lambda r: comparison_rows(r, "smollm2"))  # the real model: read first
-    registered = mechanism_claim(results)  # (a) under its registered protocol (issue 33), when it exists
-    if registered is not None:
-        claim, measured, verdict_cell, cmd = registered.row()
-        rows.append((claim, measured, verdict_cell, f"`{cmd}`"))
+    for name in STUDIES_A:  # (a) under its registered protocols (issue 33), each once it is registered
+        registered = mechanism_claim(results, protocol_path(name))
+        if registered is not None:
+            claim, measured, verdict_cell, cmd = registered.row()
+            rows.append((claim, measured, verdict_cell, f"`{cmd}`"))
     add(var, "variance", variance_claim)
     add(var_walk, "variance-walk", variance_claim)
     add(var, "variance", proxy_claim)

@@ -45,6 +45,16 @@ from studies.runs import ProtocolChanged, Run, _train, environment, protocol, pr
 
 PROTOCOL = EXPERIMENTS / "variance" / "variance-a.yaml"
 NAME = "variance-a"
+STUDIES = ("variance-a", "variance-b")  # registered studies of claim (a), in order: a later one re-measures
+
+
+def protocol_path(name: str) -> Path:
+    """The YAML of a registered study of claim (a) (`STUDIES`)."""
+    if name not in STUDIES:
+        raise ValueError(f"study: one of {', '.join(STUDIES)}, got {name!r}")
+    return EXPERIMENTS / "variance" / f"{name}.yaml"
+
+
 BUCKETS = ("early", "late")  # position buckets (`variance.position_buckets`); "all" is their sum
 STAGES = ("pilot", "main")
 CLAIM = "(a) OTB lowers the policy gradient's noise (against the group-mean baseline, same samples)."
@@ -84,7 +94,16 @@ class Study:
     @classmethod
     def load(cls, path: Path = PROTOCOL, quick: bool = False) -> Study:
         raw = yaml.safe_load(path.read_text())
-        known = {"description", "seed", "estimators", "group_sizes", "tasks", "checkpoints", "pilot"}
+        known = {
+            "description",
+            "seed",
+            "estimators",
+            "group_sizes",
+            "tasks",
+            "checkpoints",
+            "pilot",
+            "pilot_from",
+        }
         unknown = sorted(set(raw) - known - {"verdict", "power", "quick"})
         if unknown:
             raise ValueError(f"{path}: unknown keys {unknown}")
@@ -114,6 +133,17 @@ class Study:
             study.pilot = {**study.pilot, "k": {t: 4 for t in study.tasks}}
             study.power = {"k": {c.name: 5 for c in study.cells()}}
         return study
+
+    @property
+    def name(self) -> str:
+        """The study's name: its YAML's stem (variance-a, variance-b)."""
+        return self.source.stem
+
+    def home(self, data: Path) -> Path:
+        """Where the pilot records and trained checkpoints live: the study named by `pilot_from` (a study
+        that re-measures with a larger K reuses its predecessor's pilot and checkpoints), else `data`."""
+        source = self.raw.get("pilot_from")
+        return data.parent / source if source else data
 
     def cells(self) -> list[Cell]:
         return [Cell(t, c, n) for t in self.tasks for c in self.checkpoints for n in self.group_sizes]
@@ -216,7 +246,7 @@ def load_policy(
         model, tokenizer, info = load_checkpoint(task, preset, log)
         about = {"source": "shipped warm start", "reward": info.get("reward"), "steps": info.get("steps")}
     elif source == "train":
-        where = checkpoint_dir(data, task, checkpoint)
+        where = checkpoint_dir(study.home(data), task, checkpoint)
         if not (where / "model.safetensors").is_file():
             where = build_checkpoint(study, task, checkpoint, data, scratch, log)
         model = Qwen2ForCausalLM.from_pretrained(where).eval()
@@ -373,7 +403,7 @@ def run_cell(
         bar.update()
     bar.close()
     record = {
-        "study": NAME,
+        "study": study.name,
         "stage": stage,
         "cell": {"task": cell.task, "checkpoint": cell.checkpoint, "n": cell.n},
         "protocol": stamp,
@@ -404,7 +434,9 @@ def record_path(data: Path, stage: str, cell: Cell) -> Path:
 
 
 def load_records(study: Study, data: Path, stage: str) -> dict[Cell, dict[str, Any]]:
-    """The committed records of a stage, by cell (cells without one are missing)."""
+    """The committed records of a stage, by cell (cells without one are missing); the pilot's come from
+    `study.home(data)`."""
+    data = study.home(data) if stage == "pilot" else data
     out = {}
     for cell in study.cells():
         path = record_path(data, stage, cell)
@@ -568,33 +600,42 @@ def interval_text(iv: RatioInterval) -> str:
 
 
 def mechanism_claim(results: Path = RESULTS, source: Path = PROTOCOL) -> Claim | None:
-    """Claim (a) from the committed data of `python -m studies variance-a` under results/variance-a/:
-    the registered verdict, each primary cell's ratio with its interval and K, and the protocol's hash
-    (with its amendments). None before the study has registered a protocol."""
-    data = results / NAME
+    """Claim (a) from the committed data of a registered study (`python -m studies variance-a [--study
+    NAME]`) under results/NAME/: the registered verdict, each primary cell's ratio with its interval and
+    K, and the protocol's hash (with its amendments). None before the study has registered a protocol."""
+    data = results / source.stem
     reg = _registration(data / "main") or _registration(data / "pilot")
     if reg is None:
         return None
     study = Study.load(source)
-    verdict, ivs = decide(study, load_records(study, data, "main"))
+    main = load_records(study, data, "main")
+    verdict, ivs = decide(study, main)
+    if len(main) < len(study.cells()):
+        verdict = f"{verdict}, interim: {len(main)} of {len(study.cells())} cells measured"
     cells = "; ".join(
         f"{c.task} {c.checkpoint} N={c.n}: {interval_text(iv)} (K={iv.k})" for c, iv in ivs.items()
     )
     amended = len(reg["amendments"])
     proto = reg["hash"] + (f", {amended} amendment(s)" if amended else "")
     measured = (
-        f"NSR(OTB)/NSR(group mean, {study.baseline}) of the policy gradient, paired on the same batches, "
-        f"95% interval, per task, checkpoint (shipped warm start; after a short GRPO run) and N; protocol "
-        f"{proto}: {cells or 'no main run recorded yet'}."
+        f"`{study.name}`: NSR(OTB)/NSR(group mean, {study.baseline}) of the policy gradient, paired on the "
+        f"same batches, 95% interval, per task, checkpoint (shipped warm start; after a short GRPO run) and "
+        f"N; protocol {proto}: {cells or 'no main run recorded yet'}."
     )
     return Claim(
         CLAIM,
         measured,
         verdict,
         rule_text(study),
-        "python -m studies variance-a --no-run",
+        command(study.name, "--no-run"),
         reg["hash"],
     )
+
+
+def command(name: str, flags: str = "") -> str:
+    """The command line of a registered study (variance-a is the default study)."""
+    study = "" if name == NAME else f" --study {name}"
+    return f"python -m studies variance-a{study}" + (f" {flags}" if flags else "")
 
 
 def _registration(folder: Path) -> dict[str, Any] | None:
@@ -607,6 +648,9 @@ def _registration(folder: Path) -> dict[str, Any] | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--study", default=NAME, choices=STUDIES, help=f"the registered study (default {NAME})"
+    )
     parser.add_argument("--pilot", action="store_true", help="run the pilot and print its power calculation")
     parser.add_argument("--no-run", action="store_true", help="measure nothing: the page from committed data")
     parser.add_argument("--quick", action="store_true", help="a smoke run (one cell, a few batches, runs/)")
@@ -624,11 +668,15 @@ def main(args: argparse.Namespace, log: Callable[[str], Any] = print) -> Path:
     """Run the stage asked for (resuming), then write the page from the committed data."""
     from studies.variance_page import write_registered_page
 
-    study = Study.load(PROTOCOL, quick=args.quick)
-    results = args.results or (Path("runs/variance-a-quick/results") if args.quick else RESULTS)
-    data = results / NAME
-    scratch = Path("runs/variance-a-quick" if args.quick else "runs/variance-a")
+    study = Study.load(protocol_path(getattr(args, "study", NAME)), quick=args.quick)
+    results = args.results or (Path(f"runs/{study.name}-quick/results") if args.quick else RESULTS)
+    data = results / study.name
+    scratch = Path(f"runs/{study.name}-quick" if args.quick else f"runs/{study.name}")
     stage = "pilot" if args.pilot else "main"
+    if stage == "pilot" and study.raw.get("pilot_from"):
+        raise ValueError(
+            f"{study.name}: its pilot is {study.raw['pilot_from']}'s (pilot_from): nothing to run"
+        )
     if not args.no_run:
         stamp = register_stage(study, data, stage, args.amend)
         if stage == "main" and not args.quick:
@@ -666,7 +714,7 @@ def register_stage(study: Study, data: Path, stage: str, amend: str | None) -> s
     try:
         register(data / stage, proto, study.source, amend)
     except ProtocolChanged as err:
-        raise ValueError(str(err).replace("--amend", "`python -m studies variance-a --amend`")) from None
+        raise ValueError(str(err).replace("--amend", f"`{command(study.name, '--amend')}`")) from None
     return protocol_hash(proto)
 
 

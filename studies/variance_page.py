@@ -334,30 +334,34 @@ def _registration_lines(data: Any, stage: str) -> list[str]:
 def write_registered_page(study: Any, results: Any, data: Any) -> Any:
     """results/variance-a.md (and .png once main data exist) from the committed records under `data`."""
     from studies.plots import plot_registered_variance
-    from studies.variance_a import BUCKETS, cell_stats, decide, load_records, power_plan, rule_text
+    from studies.variance_a import BUCKETS, cell_stats, command, decide, load_records, power_plan, rule_text
 
     pilot, main = load_records(study, data, "pilot"), load_records(study, data, "main")
     verdict, _ = decide(study, main)
     cand, base = study.candidate, study.baseline
-    name = "variance-a" + ("-quick" if study.quick else "")
+    name = study.name + ("-quick" if study.quick else "")
+    measure = (
+        f"`{command(study.name)}` (its pilot and checkpoints are {study.raw['pilot_from']}'s)"
+        if study.raw.get("pilot_from")
+        else f"`{command(study.name, '--pilot')}`, then `{command(study.name)}`"
+    )
     lines = [
         "# Claim (a), the mechanism, under a registered protocol: OTB's gradient noise against the "
         "group mean's",
         "",
         f"Verdict: **{verdict}** (rule: {rule_text(study)}).",
         "",
-        "Protocol: `studies/experiments/variance/variance-a.yaml` (its comments give the design and "
+        f"Protocol: `studies/experiments/variance/{study.name}.yaml` (its comments give the design and "
         "every rule, written before any run). Registration:",
         "",
-        *_registration_lines(data, "pilot"),
+        *_registration_lines(study.home(data), "pilot"),
         *_registration_lines(data, "main"),
         "",
         "It replaces, for claim (a), the legacy study without a registered protocol "
         "([variance.md](variance.md), [variance-walk.md](variance-walk.md)).",
         "",
-        "Regenerate this page from the committed per-batch data alone (docs/results/variance-a/): "
-        "`python -m studies variance-a --no-run`. Measure (resuming): "
-        "`python -m studies variance-a --pilot`, then `python -m studies variance-a` (one torch thread).",
+        f"Regenerate this page from the committed per-batch data alone (docs/results/{study.name}/): "
+        f"`{command(study.name, '--no-run')}`. Measure (resuming): {measure} (one torch thread).",
         "",
         "What is measured: per cell (task x checkpoint x N), K independent batches of `prompts` fresh "
         "prompts x N samples; on each batch both estimators' policy gradients "

@@ -228,3 +228,44 @@ def test_mechanism_claim_reads_committed_data(tmp_path) -> None:
     assert claim.verdict == variance_a.HELD and claim.protocol in claim.measured
     assert claim.row()[2].startswith("**held** (rule: held if the 95% interval")
     shutil.rmtree(data)
+
+
+def test_variance_b_reuses_variance_as_pilot_and_checkpoints_and_plans_the_rules_own_k(tmp_path) -> None:
+    """variance-b re-measures claim (a) at the registered power rule's K, unscaled: its pilot records and
+    trained checkpoints are variance-a's (`pilot_from`), its batches its own (another seed), its power
+    section what the rule gives on variance-a's committed pilot, and it runs no pilot of its own."""
+    results = Path(__file__).resolve().parents[2] / "docs" / "results"
+    a, b = (Study.load(variance_a.protocol_path(n)) for n in ("variance-a", "variance-b"))
+    assert b.name == "variance-b" and b.home(results / "variance-b") == results / "variance-a"
+    assert b.cells() == a.cells() and b.seed != a.seed
+    assert {
+        k: v for k, v in b.raw.items() if k not in ("seed", "pilot", "pilot_from", "power", "description")
+    } == {k: v for k, v in a.raw.items() if k not in ("seed", "pilot", "power", "description")}
+    cell = b.cells()[0]
+    assert variance_a.batch_seed(a.seed, "main", cell, 0) != variance_a.batch_seed(b.seed, "main", cell, 0)
+    pilot = variance_a.load_records(b, results / "variance-b", "pilot")
+    assert len(pilot) == len(b.cells())  # read from variance-a's data
+    plan = power_plan(b, pilot)
+    assert plan["scale"] == 1.0 and plan["joint_power"] >= 0.8 and plan["k"] == b.power["k"]
+    variance_a.check_power(b, results / "variance-b")
+    args = type("Args", (), {"study": "variance-b", "quick": False, "results": tmp_path, "pilot": True})()
+    with pytest.raises(ValueError, match="pilot_from"):
+        variance_a.main(args)
+    with pytest.raises(ValueError, match="study"):
+        variance_a.protocol_path("variance-z")
+    assert (
+        variance_a.command("variance-b", "--no-run")
+        == "python -m studies variance-a --study variance-b --no-run"
+    )
+    assert variance_a.command("variance-a") == "python -m studies variance-a"
+
+
+def test_an_unfinished_study_reads_not_tested_with_its_progress(tmp_path) -> None:
+    study = Study.load(variance_a.protocol_path("variance-b"))
+    data = tmp_path / "variance-b"
+    register_stage(study, data, "main", None)
+    for i, c in enumerate(study.cells()[:3]):
+        variance_a.write_record(variance_a.record_path(data, "main", c), _fake_record(c, 60, 0.5, 1.0, i))
+    claim = variance_a.mechanism_claim(tmp_path, variance_a.protocol_path("variance-b"))
+    assert claim.verdict == f"{variance_a.NOT_TESTED}, interim: 3 of 8 cells measured"
+    assert "`variance-b`" in claim.measured and "--study variance-b" in claim.command
