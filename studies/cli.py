@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from otbrl.app.cli import CliError, int_list
-from studies import variance, variance_a
+from studies import variance, variance_a_cli
 from studies.claims import STUDIES, proxy_claim, sync_readme, variance_claim, write_claims
 from studies.compare import compare, experiment_names, pilot
 
@@ -94,7 +94,7 @@ def variance_a_command(args: argparse.Namespace, rest: list[str]) -> None:
     if args.no_run and args.cells:
         raise fail("variance-a: --cells chooses cells to measure; --no-run measures none")
     try:
-        variance_a.main(args)
+        variance_a_cli.main(args)
     except (ValueError, RuntimeError) as err:
         raise fail(str(err)) from None
 
@@ -155,7 +155,7 @@ def add_variance_a(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "variance-a", help="claim (a) under its registered protocol: OTB vs group-mean gradient noise"
     )
-    variance_a.add_arguments(p)
+    variance_a_cli.add_arguments(p)
     return p
 
 

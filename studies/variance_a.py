@@ -21,14 +21,12 @@ verdict row of claim (a) for claims.md from the committed data.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +38,7 @@ import yaml
 from studies.experiment import EXPERIMENTS
 from studies.gradstats import RatioInterval, RowSums, sums_nsr, sums_nsr_ratio, sums_variance_ratio
 from studies.inference import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTED, power, scipy_stats
-from studies.pages import RESULTS, machine, read_record, write_record
+from studies.pages import RESULTS, machine, read_record
 from studies.runs import ProtocolChanged, Run, _train, environment, protocol, protocol_hash, register
 
 PROTOCOL = EXPERIMENTS / "variance" / "variance-a.yaml"
@@ -627,12 +625,12 @@ def mechanism_claim(results: Path = RESULTS, source: Path = PROTOCOL) -> Claim |
         measured,
         verdict,
         rule_text(study),
-        command(study.name, "--no-run"),
+        study_command(study.name, "--no-run"),
         reg["hash"],
     )
 
 
-def command(name: str, flags: str = "") -> str:
+def study_command(name: str, flags: str = "") -> str:
     """The command line of a registered study (variance-a is the default study)."""
     study = "" if name == NAME else f" --study {name}"
     return f"python -m studies variance-a{study}" + (f" {flags}" if flags else "")
@@ -647,74 +645,13 @@ def _registration(folder: Path) -> dict[str, Any] | None:
 # Command line
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--study", default=NAME, choices=STUDIES, help=f"the registered study (default {NAME})"
-    )
-    parser.add_argument("--pilot", action="store_true", help="run the pilot and print its power calculation")
-    parser.add_argument("--no-run", action="store_true", help="measure nothing: the page from committed data")
-    parser.add_argument("--quick", action="store_true", help="a smoke run (one cell, a few batches, runs/)")
-    parser.add_argument(
-        "--cells", help="measure only these cells (comma-separated names): one machine's share"
-    )
-    parser.add_argument("--results", type=Path, help="where the data and page go (default docs/results)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument(
-        "--amend", metavar="REASON", help="go on although the protocol changed since it was registered"
-    )
-
-
-def main(args: argparse.Namespace, log: Callable[[str], Any] = print) -> Path:
-    """Run the stage asked for (resuming), then write the page from the committed data."""
-    from studies.variance_page import write_registered_page
-
-    study = Study.load(protocol_path(getattr(args, "study", NAME)), quick=args.quick)
-    results = args.results or (Path(f"runs/{study.name}-quick/results") if args.quick else RESULTS)
-    data = results / study.name
-    scratch = Path(f"runs/{study.name}-quick" if args.quick else f"runs/{study.name}")
-    stage = "pilot" if args.pilot else "main"
-    if stage == "pilot" and study.raw.get("pilot_from"):
-        raise ValueError(
-            f"{study.name}: its pilot is {study.raw['pilot_from']}'s (pilot_from): nothing to run"
-        )
-    if not args.no_run:
-        stamp = register_stage(study, data, stage, args.amend)
-        if stage == "main" and not args.quick:
-            check_power(study, data)
-        wanted = set(args.cells.split(",")) if args.cells else None
-        torch.set_num_threads(args.threads)
-        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-        todo = [
-            c
-            for c in study.cells()
-            if (wanted is None or c.name in wanted) and not record_path(data, stage, c).is_file()
-        ]
-        policies: dict[tuple[str, str], Any] = {}
-        for cell in todo:
-            key = (cell.task, cell.checkpoint)
-            if key not in policies:
-                policies.clear()  # one policy in memory at a time
-                policies[key] = load_policy(study, cell.task, cell.checkpoint, data, scratch, log)
-            record = run_cell(study, stage, cell, policies[key], stamp, scratch, args.threads, log)
-            write_record(record_path(data, stage, cell), record)
-            Scratch(scratch / stage / cell.name, {}).remove()
-            log(f"wrote {record_path(data, stage, cell)}")
-    if stage == "pilot" and not args.quick and len(load_records(study, data, "pilot")) == len(study.cells()):
-        plan = power_plan(study, load_records(study, data, "pilot"))
-        log("power calculation (write into the YAML's power section, commit, then run the main stage):")
-        log("power: " + json.dumps({"k": plan["k"]}))
-    page = write_registered_page(study, results, data)
-    log(f"wrote {page}")
-    return page
-
-
 def register_stage(study: Study, data: Path, stage: str, amend: str | None) -> str:
     """Register (first run) or check the stage's protocol; returns its hash, stamped on every record."""
     proto = study.protocol(stage)
     try:
         register(data / stage, proto, study.source, amend)
     except ProtocolChanged as err:
-        raise ValueError(str(err).replace("--amend", f"`{command(study.name, '--amend')}`")) from None
+        raise ValueError(str(err).replace("--amend", f"`{study_command(study.name, '--amend')}`")) from None
     return protocol_hash(proto)
 
 

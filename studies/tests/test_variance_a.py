@@ -15,8 +15,9 @@ import pytest
 import torch
 import yaml
 
-from studies import variance_a
+from studies import variance_a, variance_a_cli
 from studies.gradstats import Moments, RowSums, nsr_ratio, sums_nsr_ratio
+from studies.pages import write_record
 from studies.variance import policy_gradients, position_buckets
 from studies.variance_a import Cell, Study, power_plan, register_stage, row_sums
 
@@ -166,9 +167,7 @@ def test_the_main_stage_needs_the_pilots_power_calculation_in_the_yaml(tmp_path)
     data = tmp_path / "data"
     for i, c in enumerate(study.cells()):
         (data / "pilot").mkdir(parents=True, exist_ok=True)
-        variance_a.write_record(
-            variance_a.record_path(data, "pilot", c), _fake_record(c, study.k("pilot", c), 6, 9, i)
-        )
+        write_record(variance_a.record_path(data, "pilot", c), _fake_record(c, study.k("pilot", c), 6, 9, i))
     with pytest.raises(ValueError, match="power section"):
         variance_a.check_power(study, data)
     plan = power_plan(study, variance_a.load_records(study, data, "pilot"))
@@ -223,7 +222,7 @@ def test_mechanism_claim_reads_committed_data(tmp_path) -> None:
     data = tmp_path / variance_a.NAME
     register_stage(study, data, "main", None)
     for i, c in enumerate(study.cells()):
-        variance_a.write_record(variance_a.record_path(data, "main", c), _fake_record(c, 60, 0.5, 1.0, i))
+        write_record(variance_a.record_path(data, "main", c), _fake_record(c, 60, 0.5, 1.0, i))
     claim = variance_a.mechanism_claim(tmp_path)
     assert claim.verdict == variance_a.HELD and claim.protocol in claim.measured
     assert claim.row()[2].startswith("**held** (rule: held if the 95% interval")
@@ -250,14 +249,14 @@ def test_variance_b_reuses_variance_as_pilot_and_checkpoints_and_plans_the_rules
     variance_a.check_power(b, results / "variance-b")
     args = type("Args", (), {"study": "variance-b", "quick": False, "results": tmp_path, "pilot": True})()
     with pytest.raises(ValueError, match="pilot_from"):
-        variance_a.main(args)
+        variance_a_cli.main(args)
     with pytest.raises(ValueError, match="study"):
         variance_a.protocol_path("variance-z")
     assert (
-        variance_a.command("variance-b", "--no-run")
+        variance_a.study_command("variance-b", "--no-run")
         == "python -m studies variance-a --study variance-b --no-run"
     )
-    assert variance_a.command("variance-a") == "python -m studies variance-a"
+    assert variance_a.study_command("variance-a") == "python -m studies variance-a"
 
 
 def test_an_unfinished_study_reads_not_tested_with_its_progress(tmp_path) -> None:
@@ -265,7 +264,7 @@ def test_an_unfinished_study_reads_not_tested_with_its_progress(tmp_path) -> Non
     data = tmp_path / "variance-b"
     register_stage(study, data, "main", None)
     for i, c in enumerate(study.cells()[:3]):
-        variance_a.write_record(variance_a.record_path(data, "main", c), _fake_record(c, 60, 0.5, 1.0, i))
+        write_record(variance_a.record_path(data, "main", c), _fake_record(c, 60, 0.5, 1.0, i))
     claim = variance_a.mechanism_claim(tmp_path, variance_a.protocol_path("variance-b"))
     assert claim.verdict == f"{variance_a.NOT_TESTED}, interim: 3 of 8 cells measured"
     assert "`variance-b`" in claim.measured and "--study variance-b" in claim.command
