@@ -355,7 +355,8 @@ def _command(spec: dict[str, Any], max_seconds: float) -> str:
             "eval_size",
         )
     )
-    return f"python -m otbrl.tasks.warmstart {spec['task']} {opts} --max-seconds {max_seconds}"
+    split = f" --split {spec['split']}" if "split" in spec else ""
+    return f"python -m otbrl.tasks.warmstart {spec['task']} {opts}{split} --max-seconds {max_seconds}"
 
 
 def _progress(max_seconds: float, name: str) -> tqdm:

@@ -74,7 +74,7 @@ def test_a_training_side_warm_start_sees_no_held_out_prompt(monkeypatch, tmp_pat
     _, _, info = warmstart.warm_start(
         "walk_pairs", max_seconds=0.5, eval_every=2, eval_size=64, split="train", cache_dir=tmp_path, log=None
     )
-    assert trained and scored and info["split"] == "train"
+    assert trained and scored and info["split"] == "train" and "--split train" in info["command"]
     assert not any(_held(task, p) for p in trained + scored)
     names = ("task", "preset", "seed", "target_reward", "batch_size", "lr", "weight_decay", "eval_every")
     spec = {k: info[k] for k in (*names, "eval_size", "version")}
@@ -100,3 +100,13 @@ def test_the_whole_space_key_is_unchanged():
         "version": warmstart.WARM_START_VERSION,
     }
     assert (warmstart.SHIPPED / warmstart._cache_key(spec)).is_dir()
+
+
+def test_the_shipped_walk_pairs_start_was_trained_on_the_training_side():
+    """The checkpoint that `walk-pairs` starts from is found under its training-side key and says so."""
+    import json
+
+    info = json.loads((warmstart.SHIPPED / "walk_pairs-small-54405bae9589" / "info.json").read_text())
+    assert info["split"] == "train" and info["reached"] and "--split train" in info["command"]
+    model, _, loaded = warmstart.warm_start("walk_pairs", split="train", max_seconds=3000, log=None)
+    assert loaded["cached"] and loaded["split"] == "train"
