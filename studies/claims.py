@@ -795,11 +795,13 @@ def readme_block(claims_md: Path, readme: Path) -> str:
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")] if line.startswith("| ") else []
         if len(cells) == 4 and cells[0] != "claim" and not set(cells[0]) <= set("-"):
             verdict = re.match(r"\*\*([^*]+)\*\*|([^:(]+)", cells[2])
-            where = re.search(r"--task (\S+)|compare (\S+?)`|studies (variance-\w+)", cells[3])
+            where = re.search(r"--study (variance-\w+)", cells[3]) or re.search(
+                r"--task (\S+)|compare (\S+?)`|studies (variance-\w+)", cells[3]
+            )
             rows.append(
                 [
                     cells[0],
-                    f"`{where[1] or where[2] or where[3]}`" if where else "—",
+                    f"`{next(g for g in where.groups() if g)}`" if where else "—",
                     f"**{(verdict[1] or verdict[2]).strip()}**" if verdict else cells[2],
                 ]
             )
