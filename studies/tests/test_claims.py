@@ -299,3 +299,20 @@ def test_the_gap_section_reads_each_same_n_control_by_its_verdict():
     assert "dr_grpo-N4 − grpo-N32" in text and "(a gap)" in text
     assert "rloo-N4 − grpo-N32" in text and "no gap shown either way" in text
     assert gap_section({"x": {"comparisons": [{"baseline": "b"}]}}) == []
+
+
+def test_the_readme_names_a_registered_study_by_its_study(tmp_path):
+    from studies.claims import readme_block
+
+    claims = tmp_path / "claims.md"
+    claims.write_text(
+        "# c\n\n| claim | measured | verdict | command |\n|---|---|---|---|\n"
+        "| (a) x | m | **held** (rule: r) | `python -m studies variance-a --no-run` |\n"
+        "| (a) x | m | **not tested, interim: 2 of 8 cells measured** (rule: r) "
+        "| `python -m studies variance-a --study variance-b --no-run` |\n"
+        "| b | m | **inconclusive** (rule: r) | `python -m studies compare walk3` |\n"
+    )
+    block = readme_block(claims, tmp_path / "README.md")
+    assert "| (a) x | `variance-a` | **held** |" in block
+    assert "| (a) x | `variance-b` | **not tested, interim: 2 of 8 cells measured** |" in block
+    assert "| b | `walk3` | **inconclusive** |" in block
