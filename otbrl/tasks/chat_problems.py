@@ -9,7 +9,8 @@ on in any wording. Where the numbers' order does not change the problem (sums, s
 sorted numbers, which also puts reorderings of one sum on one side. `Task.problems` enumerates every key,
 so tests and pilots can count the held-out problems instead of estimating them.
 
-The candidates are compared in studies/llm_pilot2.py (docs/results/llm-pilot2.md).
+The candidates are compared in studies/llm_pilot2.py, llm_pilot3.py and llm_pilot4.py (their pages in
+docs/results/).
 """
 
 from __future__ import annotations
@@ -293,6 +294,105 @@ def make_story_shown(rng: random.Random) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# two-number problems (issue 34's third pilot round)
+# ---------------------------------------------------------------------------------------------------------
+
+# Why: in pilots 2 and 3 (docs/results/llm-pilot2.md, llm-pilot3.md) the model solved only two-number sums
+# at all (5-28% right); three or more numbers, unit conversions and multi-step stories were 0-9%. Two
+# numbers 1-50 keep each problem one step while the space holds >= 1,000 problems (1,275 unordered pairs).
+PAIR_RANGE = (1, 50)
+_SUB_WORDINGS: tuple[Callable[[int, int], str], ...] = (
+    lambda a, b: f"What is {a} - {b}?",
+    lambda a, b: f"Subtract {b} from {a}.",
+    lambda a, b: f"What is {a} minus {b}?",
+    lambda a, b: f"Take {b} away from {a}. What is left?",
+)
+# The words that mark a difference in every two-number wording; no sum wording uses any of them (tested),
+# so the key can read the operation back from the prompt.
+_MINUS = re.compile(r"\d - \d|\b(?:minus|subtract|away|loses|sells|gave)\b", re.IGNORECASE)
+
+
+def draw_pair(rng: random.Random) -> tuple[int, int]:
+    """Two numbers 1-50, in the order drawn."""
+    return rng.randint(*PAIR_RANGE), rng.randint(*PAIR_RANGE)
+
+
+def make_pair(rng: random.Random) -> tuple[str, str]:
+    """`"What is 23 + 38?"` -> `"61"`: chat_addlist's four wordings with two numbers 1-50."""
+    a, b = draw_pair(rng)
+    return pose_sum([a, b], rng.randrange(len(_ADD_WORDINGS))), str(a + b)
+
+
+def pose_sub(a: int, b: int, wording: int) -> str:
+    return _SUB_WORDINGS[wording](a, b)
+
+
+def make_pair_mixed(rng: random.Random) -> tuple[str, str]:
+    """`"What is 38 - 23?"` -> `"15"` or `"What is 23 + 38?"` -> `"61"`: a sum or a difference (each half
+    the time) of two numbers 1-50, four wordings each; a difference never goes below zero."""
+    a, b = draw_pair(rng)
+    if rng.random() < 0.5:
+        return pose_sum([a, b], rng.randrange(len(_ADD_WORDINGS))), str(a + b)
+    big, small = max(a, b), min(a, b)
+    return pose_sub(big, small, rng.randrange(len(_SUB_WORDINGS))), str(big - small)
+
+
+def pose_pair_story(a: int, b: int, minus: bool, wording: int, rng: random.Random) -> str:
+    """A one-step story: `a` and a gain of `b` (or a second person's `b`), or `a` and a loss of `b`."""
+    (name, pronoun), (friend, _) = rng.sample(_NAMES, 2)
+    thing = rng.choice(_STORY_THINGS)
+    he = pronoun[0].upper() + pronoun[1:]
+    now = f"How many {thing} does {name} have now?"
+    if minus:
+        return (
+            f"{name} has {a} {thing}. {he} gives {b} away. {now}",
+            f"{name} has {a} {thing}. {he} loses {b}. {now}",
+            f"{name} has {a} {thing}. {he} sells {b}. {now}",
+            f"{name} had {a} {thing} and gave {b} to {friend}. How many {thing} does {name} have left?",
+        )[wording]
+    return (
+        f"{name} has {a} {thing}. {he} buys {b} more. {now}",
+        f"{name} has {a} {thing}. {he} finds {b} more. {now}",
+        f"{name} has {a} {thing}. {he} gets {b} more from {friend}. {now}",
+        f"{name} has {a} {thing} and {friend} has {b} {thing}. How many {thing} do they have together?",
+    )[wording]
+
+
+def make_pair_story(rng: random.Random) -> tuple[str, str]:
+    """`"Tom has 23 marbles. He gives 8 away. How many marbles does Tom have now?"` -> `"15"`: one gain
+    or one loss (each half the time) of two numbers 1-50, four wordings each; a loss never takes more than
+    there is."""
+    a, b = draw_pair(rng)
+    if rng.random() < 0.5:
+        return pose_pair_story(a, b, False, rng.randrange(4), rng), str(a + b)
+    big, small = max(a, b), min(a, b)
+    return pose_pair_story(big, small, True, rng.randrange(4), rng), str(big - small)
+
+
+def signed_key(prompt: str) -> str:
+    """`"-:23,38"` / `"+:23,38"`: the operation (read from the wording's words) and the sorted numbers.
+    A sum and a difference of the same numbers are different problems; a difference's order is fixed
+    (the larger number first), so sorting loses nothing."""
+    return ("-:" if _MINUS.search(prompt) else "+:") + problem_key(prompt)
+
+
+def _pairs() -> list[tuple[int, int]]:
+    return list(itertools.combinations_with_replacement(range(PAIR_RANGE[0], PAIR_RANGE[1] + 1), 2))
+
+
+@cache
+def pair_problems() -> frozenset[str]:
+    """Every problem key of chat_pair: the unordered pairs of numbers 1-50 (1,275)."""
+    return frozenset(f"{a},{b}" for a, b in _pairs())
+
+
+@cache
+def signed_pair_problems() -> frozenset[str]:
+    """Every problem key of chat_pair_mixed and chat_pair_story: each pair's sum and difference (2,550)."""
+    return frozenset(f"{op}:{a},{b}" for a, b in _pairs() for op in "+-")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # registry
 # ---------------------------------------------------------------------------------------------------------
 
@@ -364,6 +464,28 @@ PROBLEM_TASKS: dict[str, Task] = {
             make_story,
             problem_key,
             story_problems,
+        ),
+        _task(
+            "chat_pair",
+            "add two numbers 1-50 in chat_addlist's four wordings ('What is 23 + 38?'); 1,275 problems",
+            make_pair,
+            problem_key,
+            pair_problems,
+        ),
+        _task(
+            "chat_pair_mixed",
+            "a sum or a difference of two numbers 1-50 ('What is 38 - 23?'); 2,550 problems",
+            make_pair_mixed,
+            signed_key,
+            signed_pair_problems,
+        ),
+        _task(
+            "chat_pair_story",
+            "one gain or loss of two numbers 1-50 ('Tom has 23 marbles. He gives 8 away. ...'); 2,550 "
+            "problems",
+            make_pair_story,
+            signed_key,
+            signed_pair_problems,
         ),
     )
 }

@@ -182,3 +182,66 @@ def test_chat_rows_and_chat_sums_draw_what_they_drew_before_issue_34():
         "a87c7b9d9fdf01065ae0958ba7601eaaf948037fc753fe3070fce0fe3ff19f96"
     )
     assert get_task("chat_rows").problems is None
+
+
+def test_two_number_spaces_are_counted_exactly():
+    from otbrl.tasks.chat_problems import pair_problems, signed_pair_problems
+
+    assert len(pair_problems()) == 50 * 51 // 2 == 1275
+    assert len(signed_pair_problems()) == 2 * 1275
+    for name, expected in (("chat_pair", 1275), ("chat_pair_mixed", 2550), ("chat_pair_story", 2550)):
+        task = get_task(name)
+        keys = task.problems()
+        heldout = sum(held_out(k, task.heldout_fraction, name) for k in keys)
+        assert len(keys) == expected and heldout >= 250
+
+
+def test_two_number_prompts_pose_their_answers_with_one_step():
+    from otbrl.tasks.chat_problems import make_pair, make_pair_mixed, make_pair_story
+
+    rng = random.Random(4)
+    ops = {"+": 0, "-": 0}
+    for make, name in (
+        (make_pair, "chat_pair"),
+        (make_pair_mixed, "chat_pair_mixed"),
+        (make_pair_story, "chat_pair_story"),
+    ):
+        for _ in range(400):
+            prompt, answer = make(rng)
+            a, b = _numbers(prompt)  # exactly two numbers: one step
+            assert 1 <= a <= 50 and 1 <= b <= 50
+            key = get_task(name).split_key(prompt)
+            op = key[0] if key[1] == ":" else "+"
+            # "Subtract 8 from 23" names the smaller first: a difference is the larger less the smaller
+            assert int(answer) == (a + b if op == "+" else max(a, b) - min(a, b))
+            assert key.rpartition(":")[2] == ",".join(map(str, sorted((a, b))))
+            if name != "chat_pair":
+                ops[op] += 1
+    assert min(ops.values()) > 300  # sums and differences both drawn, about half each
+
+
+def test_two_number_keys_read_the_operation_from_every_wording():
+    from otbrl.tasks.chat_problems import pose_pair_story, pose_sub, signed_key
+
+    rng = random.Random(6)
+    for _ in range(100):
+        a, b = sorted((rng.randint(1, 50), rng.randint(1, 50)), reverse=True)
+        plus = {signed_key(pose_sum([a, b], w)) for w in range(4)} | {signed_key(pose_sum([b, a], 0))}
+        plus |= {signed_key(pose_pair_story(a, b, False, w, rng)) for w in range(4)}
+        plus |= {signed_key(pose_pair_story(b, a, False, w, rng)) for w in range(4)}
+        minus = {signed_key(pose_sub(a, b, w)) for w in range(4)}
+        minus |= {signed_key(pose_pair_story(a, b, True, w, rng)) for w in range(4)}
+        assert plus == {f"+:{b},{a}"} and minus == {f"-:{b},{a}"}
+    assert signed_key("Take 8 away from 23. What is left?") == "-:8,23"
+    assert (
+        signed_key("Mia has 23 cards and Tom has 8 cards. How many cards do they have together?") == "+:8,23"
+    )
+
+
+def test_two_number_rewards_read_the_final_number():
+    task = get_task("chat_pair_mixed")
+    assert task.reward("38 - 23 = 15. The answer is 15.", "15") == 1.0
+    assert task.reward("The answer is 15, or maybe 16.", "15") == 0.0
+    assert task.reward("I do not know.", "15") == 0.0
+    for row in dataset("chat_pair_story", 20, seed=0):
+        assert get_task("chat_pair_story").reward(f"So that makes {row['answer']}.", row["answer"]) == 1.0
