@@ -557,7 +557,16 @@ def compare(
                 f"{exp.name}: this share is {len(share)} of the {len(runs)} runs (seeds {seeds or 'all'}, "
                 f"arms {arms or 'all'}); the page reads every run with a record"
             )
-        failures = execute(exp.name, exp.recipe, share, jobs=jobs, log=log, records=records, stamp=stamp)
+        failures = execute(
+            exp.name,
+            exp.recipe,
+            share,
+            jobs=jobs,
+            log=log,
+            records=records,
+            stamp=stamp,
+            same_machine=exp.same_machine,
+        )
     else:
         runs = [r for r in runs if has_record(r, records)]
         log(f"{exp.name}: {len(runs)} runs with committed records in {records} (none trained)")
@@ -891,7 +900,14 @@ def pilot(
             f"protocol {stamp['hash']}"
         )
         failures = execute(
-            f"{exp.name} pilot", exp.recipe, runs, jobs=jobs, log=log, records=records, stamp=stamp
+            f"{exp.name} pilot",
+            exp.recipe,
+            runs,
+            jobs=jobs,
+            log=log,
+            records=records,
+            stamp=stamp,
+            same_machine=exp.same_machine,
         )
     if failures:
         raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
@@ -906,7 +922,14 @@ def pilot(
             f"{exp.pilot['variance_seeds']}"
         )
         failures = execute(
-            f"{exp.name} pilot variance", exp.recipe, stage2, jobs=jobs, log=log, records=records, stamp=stamp
+            f"{exp.name} pilot variance",
+            exp.recipe,
+            stage2,
+            jobs=jobs,
+            log=log,
+            records=records,
+            stamp=stamp,
+            same_machine=exp.same_machine,
         )
         if failures:
             raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))

@@ -87,6 +87,10 @@ class Experiment:
     # the phenomenon the claims are about, as it must show in the compared runs, e.g. {length_cv_run: 0.3}
     # (the within-group length CV averaged over every step of every run); a verdict needs it
     phenomenon: dict[str, float] = field(default_factory=dict)
+    # whole seeds on one kind of machine (issue 34): an arm of a seed trains only where the seed's other
+    # arms did (device, CPU's native bf16, architecture, torch/transformers/trl), so every pair starts from
+    # the same step-0 score
+    same_machine: bool = False
     # not YAML keys: the parsed file (its protocol is hashed) and where it came from
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     source: Path | None = None

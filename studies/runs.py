@@ -215,10 +215,13 @@ def environment() -> dict[str, Any]:
         except PackageNotFoundError:
             return None
 
+    from otbrl.app.precision import NATIVE_BF16_FLAGS, cpu_flags
+
     cuda = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "cpus": os.cpu_count(),
+        "cpu_bf16": sorted(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()),
         "machine": platform.machine(),
         "python": platform.python_version(),
         **{name: ver(name) for name in ("torch", "transformers", "trl", "otbrl")},
@@ -231,6 +234,35 @@ def environment_label(env: dict[str, Any] | None) -> str:
     if not env:
         return "not recorded"
     return f"{env.get('device')}, {env.get('cpus')} CPUs, torch {env.get('torch')}"
+
+
+MACHINE_KEYS = ("device", "machine", "cpu_bf16", "torch", "transformers", "trl")
+
+
+def machine_kind(env: dict[str, Any] | None) -> tuple | None:
+    """What must be equal for two runs' numbers to start from the same step-0 score: the device, the
+    architecture, the CPU's native bf16, and the versions that shape the numbers (not the core count)."""
+    if not env:
+        return None
+    return tuple(json.dumps(env.get(k), sort_keys=True) for k in MACHINE_KEYS)
+
+
+def seed_elsewhere(run: Run, records: Path | None, here: dict[str, Any]) -> str:
+    """Why `run` must not train here: a committed record of another arm of its seed was trained on
+    another kind of machine (`machine_kind`); "" when none was, or none is known."""
+    if records is None or not records.is_dir():
+        return ""
+    for path in sorted(records.glob(f"*/seed{run.seed}.json.gz")):
+        if path.parent.name == run.arm:
+            continue
+        env = read_record(path).get("environment")
+        if machine_kind(env) not in (None, machine_kind(here)):
+            return (
+                f"{run.arm} seed {run.seed}: not trained here: the seed's arm {path.parent.name} trained "
+                f"on {environment_label(env)} (same_machine: every arm of a seed on one kind of machine; "
+                "train this seed there with --seeds)"
+            )
+    return ""
 
 
 def make_record(run: Run, stamp: dict[str, Any]) -> dict[str, Any]:
@@ -300,12 +332,14 @@ def execute(
     log: Callable[[str], Any] = print,
     records: Path | None = None,
     stamp: dict[str, Any] | None = None,
+    same_machine: bool = False,
 ) -> list[str]:
     """Run what is not done yet of experiment `name` (base recipe `recipe`), `jobs` at a time. With
     `records` (a folder of committed run records), a run with a record is done, a finished run directory
     without one gets one, and each run that finishes writes its record at once, stamped with `stamp` (the
-    protocol's hash), so a stop at any point loses at most the runs in flight. Returns one line per failed
-    run (nothing is dropped silently)."""
+    protocol's hash), so a stop at any point loses at most the runs in flight. `same_machine`: a run whose
+    seed has another arm's record from another kind of machine is not trained here (a failure line says
+    where it belongs). Returns one line per failed or refused run (nothing is dropped silently)."""
 
     def keep(run: Run) -> None:
         if records is not None:
@@ -323,6 +357,12 @@ def execute(
             + (f" ({len(recorded)} with a record in {records})" if records is not None else "")
             + " (delete a run's record and directory to redo it)"
         )
+    refused: list[str] = []
+    if same_machine and todo:  # a seed's arms on one kind of machine: the others wait for theirs
+        here = environment()
+        why = {id(r): seed_elsewhere(r, records, here) for r in todo}
+        refused = [w for w in why.values() if w]
+        todo = [r for r in todo if not why[id(r)]]
     failures: list[str] = []
     bar = tqdm(total=len(todo), desc=f"{name} runs", unit="run") if tqdm is not None else None
 
@@ -358,4 +398,4 @@ def execute(
         list(pool.map(one, todo))
     if bar is not None:
         bar.close()
-    return failures
+    return refused + failures

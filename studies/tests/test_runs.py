@@ -483,3 +483,36 @@ def test_runs_sharing_a_gpu_each_get_an_equal_memory_cap(tmp_path, monkeypatch) 
     monkeypatch.setattr(runs.torch.cuda, "is_available", lambda: False)
     runs.execute("walk", exp.recipe, todo, jobs=4, log=lambda _: None)
     assert len(seen) == 2 and all(ENV not in e for e in seen)
+
+
+def test_same_machine_keeps_a_seeds_arms_on_one_kind_of_machine(tmp_path, monkeypatch) -> None:
+    """same_machine (issue 34): an arm of a seed whose other arm was trained on another kind of machine
+    (device, native bf16, versions) is refused here with a line saying where it belongs; the seeds whose
+    arms trained here, or nowhere yet, run; without the rule every run trains."""
+    exp = load_experiment("walk")
+    everything = plan(exp, tmp_path / "runs")
+    arms = sorted({r.arm for r in everything})[:2]
+    todo = [r for r in everything if r.seed in (0, 1) and r.arm in arms]
+    assert len(todo) == 4
+    records = tmp_path / "records"
+    here = runs.environment()
+    elsewhere = {**here, "device": "NVIDIA H200", "torch": "2.11.0"}
+    first = next(r for r in todo if r.arm == arms[0] and r.seed == 0)
+    write_record(
+        runs.record_path(records, first.arm, 0), {"arm": first.arm, "seed": 0, "environment": elsewhere}
+    )
+    same = next(r for r in todo if r.arm == arms[0] and r.seed == 1)
+    write_record(runs.record_path(records, same.arm, 1), {"arm": same.arm, "seed": 1, "environment": here})
+    calls: list[str] = []
+    monkeypatch.setattr(runs, "_train", _fake_train(calls))
+    monkeypatch.setattr(runs, "has_record", lambda r, rec: r in (first, same))
+    lines = runs.execute(
+        "walk", exp.recipe, todo, jobs=1, log=lambda _: None, same_machine=True, records=records
+    )
+    refused = [r for r in todo if r.seed == 0 and r is not first]
+    assert len(lines) == len(refused) and all("NVIDIA H200" in x and "--seeds" in x for x in lines)
+    assert sorted(calls) == sorted(f"{r.arm}/{r.seed}" for r in todo if r.seed == 1 and r is not same)
+    assert runs.machine_kind({**here, "cpus": 99}) == runs.machine_kind(here)  # core count does not matter
+    assert runs.machine_kind({**here, "cpu_bf16": []}) != runs.machine_kind(
+        {**here, "cpu_bf16": ["amx_bf16"]}
+    )
