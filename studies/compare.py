@@ -700,7 +700,42 @@ def picks_and_gate(
                     "**passed**" if passed else "**failed**",
                 ]
             )
+    if gate is not None and gate.get("gap"):
+        row, passed = gap_row(gate["gap"], picks, runs, records)
+        gate_rows.append(row)
+        ok &= passed
     return picks, score_rows, gate_rows, ok
+
+
+def gap_row(
+    gap: dict[str, Any], picks: dict[str, float], runs: list[Run], records: Path | None
+) -> tuple[list[Any], bool]:
+    """The gate's gap (issue 33, item 3): claim (b) can single out OTB only where the larger group, given
+    its budget, beats the smaller one. Passed when the larger arm's held-out reward at the end of its
+    budget, at its pick and averaged over the pilot seeds, exceeds the smaller arm's by at least `margin`."""
+    ends = {}
+    for role in ("larger", "smaller"):
+        arm = gap[role]
+        mine = [r for r in runs if r.arm == f"{arm}@{picks.get(arm)}"] if arm in picks else []
+        data = [_run_data(r, records) for r in mine]
+        after = [d[1].get("held-out reward after") for d in data if d is not None]
+        ends[role] = (
+            statistics.fmean(after) if mine and len(after) == len(mine) and None not in after else None
+        )
+    name = f"gap: {gap['larger']} − {gap['smaller']}"
+    if None in ends.values():
+        return [name, "pending", "—", "—", "—", f"≥ {float(gap['margin']):g}", "pending"], False
+    diff = ends["larger"] - ends["smaller"]
+    passed = diff >= float(gap["margin"])
+    return [
+        name,
+        f"{picks[gap['larger']]:g} / {picks[gap['smaller']]:g}",
+        _fmt(ends["smaller"]),
+        _fmt(ends["larger"]),
+        _fmt(diff, sign=True),
+        f"≥ {float(gap['margin']):g}",
+        "**passed**" if passed else "**failed**",
+    ], passed
 
 
 def pilot_grids(
@@ -979,8 +1014,15 @@ def pilot_page(
     if gate is not None:
         parts.append(
             "Gate (fixed in the protocol before the pilot ran): at its pick, each arm's held-out reward must "
-            "rise by at least its threshold from step 0 to the end of its budget; reported runs start only "
-            "when every arm passes. "
+            "rise by at least its threshold from step 0 to the end of its budget"
+            + (
+                "; and the gap: the larger group's held-out reward at the end of its budget must exceed "
+                "the smaller group's at the end of its own by the margin (its row: the smaller's end, the "
+                "larger's end, their difference)"
+                if gate.get("gap")
+                else ""
+            )
+            + "; reported runs start only when every row passes. "
             + ("**Every arm passed.**" if ok else "**Not passed: no reported run starts.**")
             + "\n\n"
             + markdown_table(

@@ -194,6 +194,15 @@ def _check_protocol(path: Path, exp: Experiment) -> None:
             for arm in gate.get("arms", {}) or {}:
                 if arm not in exp.arms:
                     raise ValueError(f"experiment {path}: pilot: gate names {arm!r}, which is not an arm")
+            gap = gate.get("gap")
+            if gap is not None:
+                if not isinstance(gap, dict) or set(gap) != {"larger", "smaller", "margin"}:
+                    raise ValueError(f"experiment {path}: pilot: gate gap needs larger, smaller and margin")
+                for role in ("larger", "smaller"):
+                    if gap[role] not in exp.arms:
+                        raise ValueError(
+                            f"experiment {path}: pilot: gate gap {role} {gap[role]!r} is not an arm"
+                        )
     if exp.power is not None:
         if not isinstance(exp.power, dict) or "seeds" not in exp.power:
             raise ValueError(f"experiment {path}: power needs seeds (the seeds per arm it calls for)")

@@ -13,7 +13,7 @@ pytest.importorskip("trl")
 pytest.importorskip("otbrl.integrations.trl")
 
 from otbrl.app.metrics import append_metrics, moving_average, read_metrics, write_metrics  # noqa: E402
-from studies.compare import compare, comparisons_table, events, pilot_page, table  # noqa: E402
+from studies.compare import compare, comparisons_table, events, picks_and_gate, pilot_page, table  # noqa: E402
 from studies.experiment import (  # noqa: E402
     Experiment,
     experiment_names,
@@ -532,3 +532,40 @@ def test_heldout_auc_is_the_mean_of_the_curve_and_a_registered_secondary(tmp_pat
     assert "held-out AUC (mean held-out reward from step 0 to 0.4k)" in comparisons_table(
         {"comparisons": [c]}
     )
+
+
+def test_the_pilot_gate_can_ask_for_the_gap_claim_b_needs(tmp_path) -> None:
+    """Issue 33, item 3: `gate: {gap: {larger, smaller, margin}}` passes only when the larger group's
+    held-out reward at the end of its budget (at its pick, over the pilot seeds) beats the smaller
+    group's by the margin; a gap too small closes the gate, and a bad gap is refused at load time."""
+
+    def pilot_of(larger_after: list[float]) -> tuple[bool, str]:
+        gate = {"heldout_gain": 0.0, "gap": {"larger": "big", "smaller": "small", "margin": 0.03}}
+        pilot = {"seed": 9, "seeds": [9, 10], "pick": "heldout", "learning_rates": [1e-4], "gate": gate}
+        exp = Experiment(
+            name="t", recipe="demo", arms={"big": {}, "small": {}}, seeds=[0], smooth=1, pilot=pilot
+        )
+        runs = []
+        for arm, after in (("big", larger_after), ("small", [0.40, 0.42])):
+            for seed, a in zip((9, 10), after, strict=True):
+                run = _fake_run(tmp_path / str(larger_after), f"{arm}@0.0001", seed, [0.3] * 8, 10)
+                (run.dir / "summary.json").write_text(
+                    json.dumps({"held-out reward after": a, "held-out reward before": 0.3})
+                )
+                run.overrides["learning_rate"] = 1e-4
+                runs.append(run)
+        _, _, rows, ok = picks_and_gate(exp, runs, None)
+        return ok, str(rows[-1])
+
+    ok, row = pilot_of([0.46, 0.48])  # 0.47 against 0.41: +0.06
+    assert ok and "gap: big − small" in row and "+0.060" in row and "passed" in row
+    ok, row = pilot_of([0.42, 0.43])  # +0.015 < 0.03
+    assert not ok and "failed" in row
+    bad = tmp_path / "gap.yaml"
+    bad.write_text(
+        "recipe: demo\nseeds: [0]\narms: {a: {}}\n"
+        "pilot: {seed: 9, learning_rates: [1e-4],\n"
+        "        gate: {heldout_gain: 0.05, gap: {larger: z, smaller: a, margin: 0.03}}}\n"
+    )
+    with pytest.raises(ValueError, match="gap larger"):
+        load_experiment(str(bad))
