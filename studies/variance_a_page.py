@@ -70,8 +70,13 @@ def write_registered_page(study: Any, results: Any, data: Any) -> Any:
         *_registration_lines(study.home(data), "pilot"),
         *_registration_lines(data, "main"),
         "",
-        "It replaces, for claim (a), the legacy study without a registered protocol "
-        "([variance.md](variance.md), [variance-walk.md](variance-walk.md)).",
+        (
+            f"It re-measures [{study.raw['pilot_from']}.md]({study.raw['pilot_from']}.md)'s cells with new "
+            "batches at the K its power rule asks for (its YAML says why)."
+            if study.raw.get("pilot_from")
+            else "It replaces, for claim (a), the legacy study without a registered protocol "
+            "([variance.md](variance.md), [variance-walk.md](variance-walk.md))."
+        ),
         "",
         f"Regenerate this page from the committed per-batch data alone (docs/results/{study.name}/): "
         f"`{study_command(study.name, '--no-run')}`. Measure (resuming): {measure} (one torch thread).",
@@ -88,7 +93,9 @@ def write_registered_page(study: Any, results: Any, data: Any) -> Any:
         "",
     ]
     if main:
-        lines += _registered_results(study, main, cand, base, BUCKETS, cell_stats)
+        complete = len(pilot) == len(study.cells())
+        scaled = not complete or power_plan(study, pilot)["scale"] < 1  # the rule's K cut to the budget
+        lines += _registered_results(study, main, cand, base, BUCKETS, cell_stats, scaled)
         plot_registered_variance(
             {c.name: cell_stats(r)["buckets"] for c, r in main.items()}, results / f"{name}.png", cand, base
         )
@@ -104,7 +111,7 @@ def write_registered_page(study: Any, results: Any, data: Any) -> Any:
 
 
 def _registered_results(
-    study: Any, main: dict, cand: str, base: str, buckets: tuple[str, ...], cell_stats: Any
+    study: Any, main: dict, cand: str, base: str, buckets: tuple[str, ...], cell_stats: Any, scaled: bool
 ) -> list[str]:
     stats = {c: cell_stats(r) for c, r in main.items()}
     machines = sorted({f"{r['machine']}; CPU flags: {r['cpu_flags']}" for r in main.values()})
@@ -172,8 +179,9 @@ def _registered_results(
         markdown_table(head, rows),
         "",
         f"The interval lies below 1 in {below} of {len(stats)} cells and above 1 in {above}. The K are the "
-        "registered power rule's, scaled to the CPU budget (see the pilot section below for the power "
-        "they were planned to reach).",
+        "registered power rule's"
+        + (", scaled to the CPU budget" if scaled else ", not scaled (the CPU budget covers them)")
+        + " (see the pilot section below for the power they were planned to reach).",
         "",
         "## Secondary: by position bucket (no verdict)",
         "",
