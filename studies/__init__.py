@@ -6,6 +6,8 @@ achieved; a learning-rate ladder's collapses) -> `inference` (paired intervals, 
 `claims` (docs/results/claims.md). `compare` is the `python -m studies compare` command over that pipeline.
 The variance study: `variance` (the policy gradient's noise at a fixed checkpoint, `python -m studies
 variance`), its page `variance_page`, and `gradstats` (statistics of gradient estimates, shared with `toy`, an
-exact-gradient testbed). What training and benchmarks/ share with the studies lives below them, in
+exact-gradient testbed). Claim (a)'s registered studies (variance-a, variance-b): `variance_a` (the study,
+its protocol and verdict), `variance_a_page` (its page) and `variance_a_cli` (`python -m studies
+variance-a`). What training and benchmarks/ share with the studies lives below them, in
 `studies.pages`, `otbrl.app.plots` and `otbrl.app.metrics`.
 """
