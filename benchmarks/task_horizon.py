@@ -101,12 +101,12 @@ def horizon_stats(
 
 
 def sample_task(
-    task_name: str, prompts: int, samples: int, seed: int = 0, batch_prompts: int = 16
+    task_name: str, prompts: int, samples: int, seed: int = 0, batch_prompts: int = 16, split: str = "all"
 ) -> dict[str, Any]:
     """Sample one task at its warm start: every completion's length, energy, reward and whether it ended
     (samples of one prompt are consecutive), with the warm start's facts: what `stats_from_samples` reads."""
     task = get_task(task_name)
-    model, tokenizer, info = warm_start(task.name, log=None)
+    model, tokenizer, info = warm_start(task.name, split=split, log=None)
     if not info.get("cached"):
         raise RuntimeError(f"{task.name}: no shipped or cached warm start (this script never builds one)")
     rows = dataset(task, prompts, seed=20_000 + seed)  # held out from training (0) and warm-start eval
@@ -214,6 +214,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 prompts x 8 samples; output to a temp file")
     parser.add_argument("--out", type=Path, help="markdown output path (default docs/results/horizon.md)")
     parser.add_argument("--from-samples", type=Path, help="rebuild the page from these committed samples")
+    parser.add_argument(
+        "--warm-start-split", default="all", choices=("all", "train"), help="train: training-side starts"
+    )
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.samples = 8, 8
@@ -228,8 +231,11 @@ def main() -> None:
     else:
         where = machine(threads)
         print(where)
-        raws = [sample_task(name, args.prompts, args.samples, args.seed) for name in args.tasks]
-        args_saved = {k: getattr(args, k) for k in ("tasks", "prompts", "samples", "seed")}
+        split = args.warm_start_split
+        raws = [sample_task(name, args.prompts, args.samples, args.seed, split=split) for name in args.tasks]
+        args_saved = {
+            k: getattr(args, k) for k in ("tasks", "prompts", "samples", "seed", "warm_start_split")
+        }
         write_record(samples_path, {"machine": where, "args": args_saved, "tasks": raws})
     results = []
     for raw in raws:
@@ -250,6 +256,7 @@ def main() -> None:
             str(args.samples),
             "--seed",
             str(args.seed),
+            *(["--warm-start-split", args.warm_start_split] if args.warm_start_split != "all" else []),
         ]
     )
     verdicts = "\n".join(f"- {r['task']}: {verdict(r)}" for r in results)
