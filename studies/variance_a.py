@@ -573,6 +573,20 @@ def decide(study: Study, main: dict[Cell, dict[str, Any]]) -> tuple[str, dict[Ce
     return INCONCLUSIVE, ivs
 
 
+def reading(study: Study, main: dict[Cell, dict[str, Any]]) -> tuple[str, dict[Cell, RatioInterval]]:
+    """`decide`'s verdict, with the progress of an unfinished study: how many cells are in, and whether a
+    finished cell already rules "held" out (the rule's consequence, not a new rule)."""
+    verdict, ivs = decide(study, main)
+    if len(main) < len(study.cells()):
+        verdict = f"{verdict}, interim: {len(main)} of {len(study.cells())} cells measured"
+        open_cells = [
+            f"{c.task} {c.checkpoint} N={c.n}" for c, iv in ivs.items() if not (determined(iv) and iv.hi < 1)
+        ]
+        if open_cells:
+            verdict += f"; held is out of reach ({', '.join(open_cells)} not below 1)"
+    return verdict, ivs
+
+
 @dataclass(frozen=True)
 class Claim:
     """Claim (a)'s verdict row for claims.md, from the committed data (`mechanism_claim`)."""
@@ -607,9 +621,7 @@ def mechanism_claim(results: Path = RESULTS, source: Path = PROTOCOL) -> Claim |
         return None
     study = Study.load(source)
     main = load_records(study, data, "main")
-    verdict, ivs = decide(study, main)
-    if len(main) < len(study.cells()):
-        verdict = f"{verdict}, interim: {len(main)} of {len(study.cells())} cells measured"
+    verdict, ivs = reading(study, main)
     cells = "; ".join(
         f"{c.task} {c.checkpoint} N={c.n}: {interval_text(iv)} (K={iv.k})" for c, iv in ivs.items()
     )

@@ -11,9 +11,9 @@ from studies.plots import plot_registered_variance
 from studies.variance_a import (
     BUCKETS,
     cell_stats,
-    decide,
     load_records,
     power_plan,
+    reading,
     rule_text,
     study_command,
 )
@@ -50,7 +50,7 @@ def _registration_lines(data: Any, stage: str) -> list[str]:
 def write_registered_page(study: Any, results: Any, data: Any) -> Any:
     """results/variance-a.md (and .png once main data exist) from the committed records under `data`."""
     pilot, main = load_records(study, data, "pilot"), load_records(study, data, "main")
-    verdict, _ = decide(study, main)
+    verdict, _ = reading(study, main)
     cand, base = study.candidate, study.baseline
     name = study.name + ("-quick" if study.quick else "")
     measure = (

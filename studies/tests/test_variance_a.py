@@ -267,4 +267,9 @@ def test_an_unfinished_study_reads_not_tested_with_its_progress(tmp_path) -> Non
         write_record(variance_a.record_path(data, "main", c), _fake_record(c, 60, 0.5, 1.0, i))
     claim = variance_a.mechanism_claim(tmp_path, variance_a.protocol_path("variance-b"))
     assert claim.verdict == f"{variance_a.NOT_TESTED}, interim: 3 of 8 cells measured"
+    cells = study.cells()
+    write_record(variance_a.record_path(data, "main", cells[3]), _fake_record(cells[3], 60, 0.7, 0.7, 3))
+    claim = variance_a.mechanism_claim(tmp_path, variance_a.protocol_path("variance-b"))
+    name = f"{cells[3].task} {cells[3].checkpoint} N={cells[3].n}"
+    assert claim.verdict.endswith(f"4 of 8 cells measured; held is out of reach ({name} not below 1)")
     assert "`variance-b`" in claim.measured and "--study variance-b" in claim.command
