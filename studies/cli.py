@@ -36,13 +36,13 @@ def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
     if args.pilot and args.quick:
         raise fail("compare: --pilot and --quick do not go together")
     where = dict(jobs=args.jobs, runs_dir=args.runs_dir, results=args.results, amend=args.amend)
-    if args.pilot and (args.seeds or args.arms):
-        raise fail("compare: --seeds and --arms choose reported runs; the pilot runs whole")
+    if args.pilot and args.seeds:
+        raise fail("compare: --seeds chooses reported runs; the pilot runs all its seeds")
     if args.no_run and (args.seeds or args.arms):
         raise fail("compare: --seeds and --arms choose runs to train; --no-run trains none")
     try:
         if args.pilot:
-            page, failures = pilot(args.experiment, **where, train=not args.no_run)[0], []
+            page, failures = pilot(args.experiment, **where, train=not args.no_run, arms=args.arms)[0], []
         else:
             page, failures = compare(
                 args.experiment,

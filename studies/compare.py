@@ -510,6 +510,22 @@ def select(exp: Experiment, runs: list[Run], seeds: list[int] | None, arms: list
     return [r for r in runs if (seeds is None or r.seed in seeds) and (arms is None or r.arm in arms)]
 
 
+def _execute(
+    exp: Experiment, label: str, runs: list[Run], jobs: int, log: Any, records: Path, stamp: dict[str, Any]
+) -> list[str]:
+    """`execute` with what every stage of an experiment shares: its recipe and machine rule."""
+    return execute(
+        label,
+        exp.recipe,
+        runs,
+        jobs=jobs,
+        log=log,
+        records=records,
+        stamp=stamp,
+        same_machine=exp.same_machine,
+    )
+
+
 def compare(
     spec: str,
     *,
@@ -557,16 +573,7 @@ def compare(
                 f"{exp.name}: this share is {len(share)} of the {len(runs)} runs (seeds {seeds or 'all'}, "
                 f"arms {arms or 'all'}); the page reads every run with a record"
             )
-        failures = execute(
-            exp.name,
-            exp.recipe,
-            share,
-            jobs=jobs,
-            log=log,
-            records=records,
-            stamp=stamp,
-            same_machine=exp.same_machine,
-        )
+        failures = _execute(exp, exp.name, share, jobs, log, records, stamp)
     else:
         runs = [r for r in runs if has_record(r, records)]
         log(f"{exp.name}: {len(runs)} runs with committed records in {records} (none trained)")
@@ -913,6 +920,7 @@ def pilot(
     log: Any = print,
     amend: str | None = None,
     train: bool = True,
+    arms: list[str] | None = None,
 ) -> tuple[Path, dict[str, float]]:
     """Run the experiment's pilot (`train=False`: nothing; its page from the committed records alone):
     every arm at each pilot learning rate on the pilot seed, each arm's pick by `pilot_score` and the
@@ -920,30 +928,27 @@ def pilot(
     on those seeds and the power calculation from their paired differences. Writes
     `<results>/<name>-pilot.md`; its runs' records go to `<results>/runs/<name>-pilot/`. The picks and
     the power calculation go into the experiment's YAML by hand, before its reported runs (which
-    `compare` checks); the pilot's seeds are never reported ones."""
+    `compare` checks); the pilot's seeds are never reported ones. `arms` trains only those arms' runs
+    of the first stage (the gap's arms first, say: if the gap fails, the others need not run); the page
+    reads every run with a record, and the second stage waits for the whole first."""
     exp = load_experiment(spec)
     runs_dir = runs_dir or Path("runs/compare") / exp.name / "pilot"
     results = results or RESULTS
     records = results / "runs" / f"{exp.name}-pilot"
     runs = pilot_plan(exp, runs_dir)
+    unknown = sorted(set(arms or ()) - set(piloted(exp)))
+    if unknown:
+        raise ValueError(f"{exp.name} pilot: arms {unknown} are not among its arms {piloted(exp)}")
+    share = [r for r in runs if arms is None or r.arm.split("@")[0] in arms]
     stamp: dict[str, Any] = {}
     failures: list[str] = []
     if train:
         stamp = _stamp(exp, records, "pilot", amend, quick=False)
         log(
-            f"{exp.name} pilot: {len(runs)} runs ({_pilot_seeds_text(exp)}) in {runs_dir}; "
-            f"protocol {stamp['hash']}"
+            f"{exp.name} pilot: {len(share)} of {len(runs)} runs ({_pilot_seeds_text(exp)}; arms "
+            f"{arms or 'all'}) in {runs_dir}; protocol {stamp['hash']}"
         )
-        failures = execute(
-            f"{exp.name} pilot",
-            exp.recipe,
-            runs,
-            jobs=jobs,
-            log=log,
-            records=records,
-            stamp=stamp,
-            same_machine=exp.same_machine,
-        )
+        failures = _execute(exp, f"{exp.name} pilot", share, jobs, log, records, stamp)
     if failures:
         raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
     picks, _, _, ok = picks_and_gate(exp, runs, records)
@@ -956,16 +961,7 @@ def pilot(
             f"{exp.name} pilot: gate passed; {len(stage2)} runs at the picks on seeds "
             f"{exp.pilot['variance_seeds']}"
         )
-        failures = execute(
-            f"{exp.name} pilot variance",
-            exp.recipe,
-            stage2,
-            jobs=jobs,
-            log=log,
-            records=records,
-            stamp=stamp,
-            same_machine=exp.same_machine,
-        )
+        failures = _execute(exp, f"{exp.name} pilot variance", stage2, jobs, log, records, stamp)
         if failures:
             raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
     command = f"python -m studies compare {spec} --pilot --jobs {jobs}"

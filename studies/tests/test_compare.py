@@ -13,7 +13,15 @@ pytest.importorskip("trl")
 pytest.importorskip("otbrl.integrations.trl")
 
 from otbrl.app.metrics import append_metrics, moving_average, read_metrics, write_metrics  # noqa: E402
-from studies.compare import compare, comparisons_table, events, picks_and_gate, pilot_page, table  # noqa: E402
+from studies.compare import (  # noqa: E402
+    compare,
+    comparisons_table,
+    events,
+    picks_and_gate,
+    pilot,
+    pilot_page,
+    table,
+)
 from studies.experiment import (  # noqa: E402
     Experiment,
     experiment_names,
@@ -561,6 +569,28 @@ def test_the_pilot_gate_can_ask_for_the_gap_claim_b_needs(tmp_path) -> None:
     assert ok and "gap: big − small" in row and "+0.060" in row and "passed" in row
     ok, row = pilot_of([0.42, 0.43])  # +0.015 < 0.03
     assert not ok and "failed" in row
+
+    # the gap's arms alone (`--pilot --arms`): the gap is decided while another arm is still pending
+    gate = {"heldout_gain": 0.0, "gap": {"larger": "big", "smaller": "small", "margin": 0.03}}
+    one_seed = {"seed": 9, "seeds": [9], "pick": "heldout", "learning_rates": [1e-4], "gate": gate}
+    exp = Experiment(
+        name="t", recipe="demo", arms={"big": {}, "small": {}, "otb": {}}, seeds=[0], smooth=1, pilot=one_seed
+    )
+    runs = []
+    for arm, after in (("big", 0.42), ("small", 0.41), ("otb", None)):
+        run = _fake_run(tmp_path / "share", f"{arm}@0.0001", 9, [0.3] * 8, 10)
+        run.overrides["learning_rate"] = 1e-4
+        if after is None:
+            (run.dir / "summary.json").unlink(missing_ok=True)  # not run yet
+        else:
+            (run.dir / "summary.json").write_text(
+                json.dumps({"held-out reward after": after, "held-out reward before": 0.3})
+            )
+        runs.append(run)
+    _, _, rows, ok = picks_and_gate(exp, runs, None)
+    assert not ok and "pending" in str(rows[2]) and "failed" in str(rows[-1]) and "+0.010" in str(rows[-1])
+    with pytest.raises(ValueError, match="not among its arms"):
+        pilot("walk4", arms=["nope"], runs_dir=tmp_path / "p", results=tmp_path / "r")
     bad = tmp_path / "gap.yaml"
     bad.write_text(
         "recipe: demo\nseeds: [0]\narms: {a: {}}\n"
