@@ -12,9 +12,9 @@ the rules); this module runs it and reads its data:
    holds what the rule gives on the committed pilot data, measures every cell at its K, writes the page.
 3. `--no-run`: the page, the power calculation and the verdict from the committed data alone.
 
-A cell is one (task, checkpoint, N). Its batches have their own seeds, so a stopped cell resumes batch by
-batch from its scratch folder (runs/variance-a/, not committed); a finished cell's record (gzip JSON:
-per-batch descriptions and, per estimator and position bucket, the per-batch sums `gradstats.RowSums`
+A cell is one (task, checkpoint, N). Its batches have their own seeds, so a stopped cell resumes from its
+scratch folder (runs/variance-a/, not committed; `cell_sums` bounds its disk); a finished cell's record (gzip
+JSON: per-batch descriptions and, per estimator and position bucket, the per-batch sums `gradstats.RowSums`
 that every interval is recomputed from) is written at once and committed. `mechanism_claim` gives the
 verdict row of claim (a) for claims.md from the committed data.
 """
@@ -27,14 +27,14 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 
+from studies.cell_sums import BUCKETS, CellSums, batches_that_fit
 from studies.experiment import EXPERIMENTS
 from studies.gradstats import RatioInterval, RowSums, sums_nsr, sums_nsr_ratio, sums_variance_ratio
 from studies.inference import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTED, power, scipy_stats
@@ -53,7 +53,6 @@ def protocol_path(name: str) -> Path:
     return EXPERIMENTS / "variance" / f"{name}.yaml"
 
 
-BUCKETS = ("early", "late")  # position buckets (`variance.position_buckets`); "all" is their sum
 STAGES = ("pilot", "main")
 CLAIM = "(a) OTB lowers the policy gradient's noise (against the group-mean baseline, same samples)."
 
@@ -309,64 +308,6 @@ def vector_labels(study: Study) -> list[str]:
     return [f"{e}/{b}" for e in (study.candidate, study.baseline) for b in BUCKETS]
 
 
-def row_sums(grads: np.ndarray, labels: list[str], estimators: tuple[str, str]) -> dict[str, dict[str, list]]:
-    """Per-batch sums (`RowSums`: d_k = ||g_k||^2, r_k = g_k . sum_l g_l, float64) of every estimator's
-    gradient in each bucket and in all tokens (early + late), from the stored (K, len(labels), D) float32
-    gradients: two passes over them, one batch at a time (a K x D float64 matrix would not fit in memory,
-    and the stored gradients of a large cell exceed the page cache)."""
-    index = {label: i for i, label in enumerate(labels)}
-    names = [f"{e}/{b}" for e in estimators for b in (*BUCKETS, "all")]
-
-    def vectors(j: int) -> dict[str, torch.Tensor]:
-        stored = torch.from_numpy(np.asarray(grads[j])).double()
-        out = {f"{e}/{b}": stored[index[f"{e}/{b}"]] for e in estimators for b in BUCKETS}
-        out.update({f"{e}/all": sum(out[f"{e}/{b}"] for b in BUCKETS) for e in estimators})
-        return out
-
-    totals: dict[str, torch.Tensor] = {}
-    for j in range(grads.shape[0]):
-        for name, g in vectors(j).items():
-            totals[name] = totals[name] + g if name in totals else g.clone()
-    sums: dict[str, dict[str, list]] = {name: {"d": [], "r": []} for name in names}
-    for j in range(grads.shape[0]):
-        for name, g in vectors(j).items():
-            sums[name]["d"].append(g.square().sum().item())
-            sums[name]["r"].append((g @ totals[name]).item())
-    return sums
-
-
-@dataclass
-class Scratch:
-    """A cell's unfinished work: the batches' gradients (a float32 .npy memory map) and their
-    descriptions; resumed only if it was made under the same protocol, K and dimension."""
-
-    folder: Path
-    header: dict[str, Any]
-    batches: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def progress(self) -> Path:
-        return self.folder / "progress.json"
-
-    def open(self) -> np.ndarray:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / "grads.npy"
-        shape = (self.header["k"], len(self.header["labels"]), self.header["dim"])
-        if self.progress.is_file() and path.is_file():
-            saved = json.loads(self.progress.read_text())
-            if saved["header"] == self.header:
-                self.batches = saved["batches"]
-                return np.lib.format.open_memmap(path, mode="r+")
-        self.batches = []
-        return np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
-
-    def save(self) -> None:
-        self.progress.write_text(json.dumps({"header": self.header, "batches": self.batches}))
-
-    def remove(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
 def run_cell(
     study: Study,
     stage: str,
@@ -376,31 +317,32 @@ def run_cell(
     scratch: Path,
     threads: int,
     log: Any = print,
+    store_gb: float | None = None,
 ) -> dict[str, Any]:
-    """Measure one cell at its K (resuming its scratch) and return its record."""
-    from tqdm.auto import tqdm
-
+    """Measure one cell at its K (resuming its scratch) and return its record. `store_gb`: the disk its
+    batches' gradients may take (default: all but 10 GB of what is free); the batches beyond it are
+    measured again for their sums (`cell_sums`), which changes no number, only the time."""
     model, tokenizer, about = policy
     k, labels = study.k(stage, cell), vector_labels(study)
     dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
     header = {"protocol": stamp, "k": k, "dim": dim, "labels": labels, "weights": about["weights"]}
-    work = Scratch(scratch / stage / cell.name, header)
-    grads = work.open()
-    started, load = time.perf_counter(), round(os.getloadavg()[0], 2)
-    bar = tqdm(total=k, initial=len(work.batches), desc=f"{stage} {cell.name}", dynamic_ncols=True)
-    for j in range(len(work.batches), k):
+    folder = scratch / stage / cell.name
+    if store_gb is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        held = sum(f.stat().st_size for f in folder.glob("grads.npy"))  # a resumed cell's own file counts
+        store_gb = max(0.0, (shutil.disk_usage(folder).free + held) / 1e9 - 10.0)
+    work = CellSums(folder, header, batches_that_fit(k, len(labels), dim, store_gb))
+
+    def measure(j: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         cpu, wall = time.process_time(), time.perf_counter()
         vectors, info = measure_batch(model, tokenizer, study, cell, batch_seed(study.seed, stage, cell, j))
-        for i, label in enumerate(labels):
-            grads[j, i] = vectors[label].numpy()
-        grads.flush()
         info["cpu_seconds"] = round(time.process_time() - cpu, 3)
         info["wall_seconds"] = round(time.perf_counter() - wall, 3)
-        work.batches.append(info)
-        work.save()
-        bar.update()
-    bar.close()
-    record = {
+        return vectors, info
+
+    started, load = time.perf_counter(), round(os.getloadavg()[0], 2)
+    batches, sums, storage = work.run(measure, (study.candidate, study.baseline), log, f"{stage} {cell.name}")
+    return {
         "study": study.name,
         "stage": stage,
         "cell": {"task": cell.task, "checkpoint": cell.checkpoint, "n": cell.n},
@@ -416,11 +358,10 @@ def run_cell(
         "environment": environment(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds_this_session": round(time.perf_counter() - started, 1),
-        "batches": work.batches,
-        "sums": row_sums(grads, labels, (study.candidate, study.baseline)),
+        "storage": storage,
+        "batches": batches,
+        "sums": sums,
     }
-    del grads
-    return record
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,6 @@ from studies.pages import RESULTS, write_record
 from studies.variance_a import (
     NAME,
     STUDIES,
-    Scratch,
     Study,
     check_power,
     load_policy,
@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--results", type=Path, help="where the data and page go (default docs/results)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument(
+        "--store-gb",
+        type=float,
+        help="disk a cell's stored gradients may take (default: all but 10 GB of the free space); the "
+        "batches beyond it are measured again for their sums (same numbers, more time)",
+    )
     parser.add_argument(
         "--amend", metavar="REASON", help="go on although the protocol changed since it was registered"
     )
@@ -76,9 +82,11 @@ def main(args: argparse.Namespace, log: Callable[[str], Any] = print) -> Path:
             if key not in policies:
                 policies.clear()  # one policy in memory at a time
                 policies[key] = load_policy(study, cell.task, cell.checkpoint, data, scratch, log)
-            record = run_cell(study, stage, cell, policies[key], stamp, scratch, args.threads, log)
+            record = run_cell(
+                study, stage, cell, policies[key], stamp, scratch, args.threads, log, args.store_gb
+            )
             write_record(record_path(data, stage, cell), record)
-            Scratch(scratch / stage / cell.name, {}).remove()
+            shutil.rmtree(scratch / stage / cell.name, ignore_errors=True)
             log(f"wrote {record_path(data, stage, cell)}")
     if stage == "pilot" and not args.quick and len(load_records(study, data, "pilot")) == len(study.cells()):
         plan = power_plan(study, load_records(study, data, "pilot"))

@@ -16,10 +16,11 @@ import torch
 import yaml
 
 from studies import variance_a, variance_a_cli
+from studies.cell_sums import row_sums
 from studies.gradstats import Moments, RowSums, nsr_ratio, sums_nsr_ratio
 from studies.pages import write_record
 from studies.variance import policy_gradients, position_buckets
-from studies.variance_a import Cell, Study, power_plan, register_stage, row_sums
+from studies.variance_a import Cell, Study, power_plan, register_stage
 
 
 class Unigram(torch.nn.Module):
