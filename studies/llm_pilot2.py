@@ -78,15 +78,17 @@ def space(name: str) -> tuple[int, int]:
     return len(keys), sum(held_out(k, task.heldout_fraction, task.name) for k in keys)
 
 
-def distinct_problems(name: str, n: int, seed: int) -> list[tuple[str, str, str]]:
-    """`n` (prompt, answer, key) of distinct problems, drawn from the whole space in the task's own
-    distribution (duplicates of a problem already drawn are skipped)."""
+def distinct_problems(name: str, n: int, seed: int, heldout: bool = False) -> list[tuple[str, str, str]]:
+    """`n` (prompt, answer, key) of distinct problems, drawn from the whole space (`heldout`: from its
+    held-out side only) in the task's own distribution (duplicates of a problem already drawn are skipped)."""
     task = get_task(name)
     rng = random.Random(f"{name}:pilot2:{seed}")
     rows, seen = [], set()
     while len(rows) < n:
         prompt, answer = task.make(rng)
         key = task.split_key(prompt) if task.split_key else prompt
+        if heldout and not held_out(key, task.heldout_fraction, task.name):
+            continue
         if key not in seen:
             seen.add(key)
             rows.append((prompt, answer, key))
@@ -98,12 +100,14 @@ def group_cv(lengths: list[int]) -> float:
     return statistics.pstdev(lengths) / statistics.mean(lengths)
 
 
-def probe(model: Any, tokenizer: Any, name: str, problems: int, temperature: float) -> dict[str, Any]:
-    """Sample GROUP completions of `problems` distinct problems of task `name`; the per-sample record and
-    the summary statistics the rule reads."""
+def probe(
+    model: Any, tokenizer: Any, name: str, problems: int, temperature: float, heldout: bool = False
+) -> dict[str, Any]:
+    """Sample GROUP completions of `problems` distinct problems of task `name` (`heldout`: held-out ones
+    only); the per-sample record and the summary statistics the rule reads."""
     task = get_task(name)
     cap = task.max_completion_tokens
-    rows = distinct_problems(name, problems, SEED)
+    rows = distinct_problems(name, problems, SEED, heldout)
     gen = torch.Generator().manual_seed(SEED)
     samples: list[dict[str, Any]] = []
     start = time.perf_counter()
@@ -221,6 +225,34 @@ def main(
     problems = 4 if quick else PROBLEMS
     results = measure(model, tokenizer, problems, candidates)
     chosen, tier = pick(results)
+    description = (
+        f"SmolLM2-135M-Instruct from `{recipe['model']}`, untrained; {problems} distinct problems x {GROUP} "
+        "samples per candidate and temperature (stage 2 at T=0.7 only when no candidate qualified at T=1), "
+        "chat template (no system prompt), otbrl's sampler in float32, at most 128 new tokens, 1 thread. "
+        + READING
+    )
+    write_page(out, number, quick, description, results, chosen, tier)
+
+
+READING = (
+    "Accuracy = final number correct, its SE over problems; 'groups with spread' = share of problems "
+    "whose 4 answers were not all scored alike; length CV = population SD / mean of a group's 4 "
+    "completion lengths (tokens, eos included), averaged over groups. Problems and held-out problems "
+    "are counted from each task's enumeration. 'wall s' is wall-clock time on a shared, loaded "
+    "machine."
+)
+
+
+def write_page(
+    out: Any,
+    number: int,
+    quick: bool,
+    description: str,
+    results: dict[tuple[str, float], dict[str, Any]],
+    chosen: tuple[str, float] | None,
+    tier: str,
+) -> None:
+    """docs/results/llm-pilot{number}.md (and .json.gz): the candidates' table, the pick, the CPU."""
     rows = [
         [
             name,
@@ -271,16 +303,7 @@ def main(
         f"CPU capability: {why}; avx512_bf16 {'yes' if 'avx512_bf16' in flags else 'no'}, amx_bf16 "
         f"{'yes' if 'amx_bf16' in flags else 'no'}. This pilot sampled in float32 regardless."
     )
-    description = (
-        f"SmolLM2-135M-Instruct from `{recipe['model']}`, untrained; {problems} distinct problems x {GROUP} "
-        "samples per candidate and temperature (stage 2 at T=0.7 only when no candidate qualified at T=1), "
-        "chat template (no system prompt), otbrl's sampler in float32, at most 128 new tokens, 1 thread. "
-        "Accuracy = final number correct, its SE over problems; 'groups with spread' = share of problems "
-        "whose 4 answers were not all scored alike; length CV = population SD / mean of a group's 4 "
-        "completion lengths (tokens, eos included), averaged over groups. Problems and held-out problems "
-        "are counted from each task's enumeration. 'wall s' is wall-clock time on a shared, loaded "
-        "machine.\n\n" + capability
-    )
+    description += "\n\n" + capability
     if chosen is None:
         verdict = "No candidate qualified, not even under the fallback: no task is picked by this pilot."
     else:

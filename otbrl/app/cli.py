@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from otbrl.app import sft
 from otbrl.app.compare import compare
 from otbrl.app.config import keys_epilog
 from otbrl.app.recipe import load_recipe, parse_value, recipe_names
@@ -172,6 +173,7 @@ SUBCOMMANDS = {
     "demo": (add_demo, train_command),
     "recipes": (add_recipes, recipes_command),
     "compare": (add_compare, compare_command),
+    "sft": (sft.add_parser, sft.command),
 }
 
 

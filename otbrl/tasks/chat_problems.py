@@ -23,6 +23,7 @@ from functools import cache
 
 from otbrl.tasks.builtin import Task
 from otbrl.tasks.chat import final_number_reward, problem_key
+from otbrl.tasks.worked import demonstrate_sum
 
 # ---------------------------------------------------------------------------------------------------------
 # sums of several one-digit numbers
@@ -399,7 +400,11 @@ def signed_pair_problems() -> frozenset[str]:
 _MAX_TOKENS = 128
 
 
-def _task(name: str, description: str, make: Callable, key: Callable, problems: Callable) -> Task:
+def _task(
+    name: str, description: str, make: Callable, key: Callable, problems: Callable, worked: bool = False
+) -> Task:
+    """A chat problem task; `worked`: its prompts pose a plain sum, so it has worked solutions for a
+    supervised warm start (`otbrl.tasks.worked`, `otbrl sft`)."""
     return Task(
         name=name,
         description=description,
@@ -410,6 +415,7 @@ def _task(name: str, description: str, make: Callable, key: Callable, problems: 
         split_key=key,
         vocabulary="text",
         problems=problems,
+        demonstrate=demonstrate_sum if worked else None,
     )
 
 
@@ -422,6 +428,7 @@ PROBLEM_TASKS: dict[str, Task] = {
             make_addlist,
             problem_key,
             sum_problems,
+            worked=True,
         ),
         _task(
             "chat_addlist_work",
@@ -429,6 +436,7 @@ PROBLEM_TASKS: dict[str, Task] = {
             make_addlist_work,
             problem_key,
             sum_problems,
+            worked=True,
         ),
         _task(
             "chat_basket",
@@ -436,6 +444,7 @@ PROBLEM_TASKS: dict[str, Task] = {
             make_basket,
             problem_key,
             sum_problems,
+            worked=True,
         ),
         _task(
             "chat_units",
@@ -471,6 +480,7 @@ PROBLEM_TASKS: dict[str, Task] = {
             make_pair,
             problem_key,
             pair_problems,
+            worked=True,
         ),
         _task(
             "chat_pair_mixed",

@@ -1,0 +1,177 @@
+"""`otbrl sft`: a supervised warm start of a chat model on a sum task's training side, before RL.
+
+SmolLM2-135M-Instruct (the only real model this project installs from the package registry, as a 4-bit
+GGUF) solves almost none of the sum problems untrained: 3-9% in four pilots (docs/results/llm-pilot*.md).
+A short fine-tune on worked solutions (`otbrl.tasks.worked`: three styles of different length, drawn
+per example) teaches the answer's form, and its length sets where RL starts. It draws its problems from
+the task's training side only (`dataset(split="train")`), so the held-out problems of every later run stay
+unseen by every stage.
+
+TRL's SFTTrainer does the training: conversational prompt-completion rows, loss on the completion only,
+the recipe's chat template and system prompt, float32 (`bf16` as the recipe says). The result is a plain
+model folder that `otbrl train --model FOLDER` starts from, with `sft-summary.json` beside it.
+
+    otbrl sft --config smollm2-addlist --steps 60 --output-dir runs/sft/addlist-60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from otbrl.app.recipe import load_recipe
+from otbrl.app.sources import as_chat, choose_model, load_model
+from otbrl.tasks import dataset, get_task
+from otbrl.tasks.chat_problems import PROBLEM_TASKS
+from otbrl.tasks.worked import STYLES
+
+
+def sft_rows(task: str, n: int, seed: int, system_prompt: str | None = None) -> list[dict[str, Any]]:
+    """`n` conversational prompt-completion rows of `task`'s training side, each completion the task's
+    demonstration (`Task.demonstrate`: for the chat sum tasks a worked solution, its style drawn from a
+    generator seeded by task and seed). A task with no demonstration, or one that uses tools, is refused."""
+    spec = get_task(task)
+    if spec.demonstrate is None or spec.tools or spec.vocabulary != "text":
+        worked = [t for t in PROBLEM_TASKS if PROBLEM_TASKS[t].demonstrate is not None]
+        raise ValueError(f"sft: task {task!r} has no worked solutions for a chat model; one of {worked}")
+    rng = random.Random(f"sft:{task}:{seed}")
+    rows = []
+    for r in dataset(spec, n, seed=seed, split="train"):
+        solution = "".join(text for text, _ in spec.demonstrate(r["prompt"], r["answer"], rng))
+        rows.append(
+            {
+                "prompt": as_chat(r["prompt"], system_prompt),
+                "completion": [{"role": "assistant", "content": solution}],
+            }
+        )
+    return rows
+
+
+def style_of(text: str) -> str:
+    """Which of `STYLES` a worked solution is (for the summary's counts)."""
+    if "=" not in text:
+        return "brief"
+    return "steps" if text.count("=") > 1 else "whole"
+
+
+def warm_start_chat(
+    recipe: dict[str, Any],
+    steps: int,
+    out: Path,
+    *,
+    learning_rate: float = 2e-5,
+    batch_size: int = 8,
+    seed: int = 0,
+    log: Callable[[str], Any] = print,
+) -> Path:
+    """Fine-tune the recipe's model for `steps` steps of `batch_size` worked solutions of its task's
+    training side; save it (with its tokenizer) to `out/final` and a summary to `out/sft-summary.json`.
+    Returns `out/final`."""
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"sft: steps and batch_size must be at least 1, got {steps} and {batch_size}")
+    task = recipe.get("task")
+    if not task:
+        raise ValueError("sft: the recipe names no task (a built-in sum task such as chat_addlist_work)")
+    rows = sft_rows(task, steps * batch_size, seed, recipe.get("system_prompt"))  # refuses other tasks
+
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    model, tokenizer = load_model(choose_model(recipe, log), log)
+    longest = int(recipe.get("max_prompt_length") or 256) + int(recipe.get("max_completion_length") or 128)
+    config = SFTConfig(
+        output_dir=str(out / "trainer"),
+        max_steps=steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        completion_only_loss=True,
+        max_length=longest,
+        bf16=bool(recipe.get("bf16", False)),
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1,
+        seed=seed,
+        data_seed=seed,
+        use_cpu=not _cuda(),
+        disable_tqdm=False,
+    )
+    started = time.perf_counter()
+    data = Dataset.from_list(rows)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
+    trainer.train()
+    seconds = time.perf_counter() - started
+    final = out / "final"
+    trainer.model.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    summary = {
+        "task": task,
+        "model": str(recipe["model"]),
+        "steps": steps,
+        "batch_size": batch_size,
+        "learning_rate": learning_rate,
+        "seed": seed,
+        "rows": len(rows),
+        "split": "train",  # every row from the task's training side: no held-out problem is seen
+        "styles": {s: Counter(style_of(r["completion"][0]["content"]) for r in rows)[s] for s in STYLES},
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "losses": losses,
+        "seconds": round(seconds, 1),
+    }
+    (out / "sft-summary.json").write_text(json.dumps(summary, indent=1))
+    log(
+        f"sft: {steps} steps x {batch_size} worked solutions of {task} (training side) in {seconds:.0f} s; "
+        f"loss {summary['loss_first']} -> {summary['loss_last']}; model in {final}"
+    )
+    return final
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "sft",
+        help="supervised warm start of a chat recipe's model on worked solutions of its task's training side",
+    )
+    p.add_argument("--config", required=True, help="a packaged recipe name or a recipe YAML (model and task)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    p.add_argument("--output-dir", type=Path, required=True, help="where final/ and sft-summary.json go")
+    p.add_argument("--learning-rate", type=float, default=2e-5, help="constant rate (default 2e-5)")
+    p.add_argument("--batch-size", type=int, default=8, help="worked solutions per step (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="which training-side problems and styles (default 0)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the recipe's)")
+    return p
+
+
+def command(args: argparse.Namespace, rest: list[str]) -> None:
+    import torch
+
+    if rest:
+        raise SystemExit(f"otbrl sft: unexpected arguments {rest}")
+    try:
+        recipe = load_recipe(args.config)
+        threads = args.threads or recipe.get("threads")
+        if threads:
+            torch.set_num_threads(int(threads))
+        warm_start_chat(
+            recipe,
+            args.steps,
+            args.output_dir,
+            learning_rate=args.learning_rate,
+            batch_size=args.batch_size,
+            seed=args.seed,
+        )
+    except ValueError as err:
+        raise SystemExit(f"otbrl sft: {err}") from None

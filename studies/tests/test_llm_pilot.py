@@ -1,0 +1,33 @@
+"""The real-model task pilots' problem draws and rule (studies/llm_pilot2.py, used by pilots 3-5)."""
+
+from __future__ import annotations
+
+from otbrl.tasks import get_task
+from otbrl.tasks.split import held_out
+from studies.llm_pilot2 import FALLBACK, RULE, distinct_problems, pick, qualifies
+
+
+def test_pilot_draws_are_distinct_problems_and_pilot5s_are_held_out() -> None:
+    task = get_task("chat_pair")
+    whole = distinct_problems("chat_pair", 64, 0)
+    held = distinct_problems("chat_pair", 64, 0, heldout=True)
+    for rows in (whole, held):
+        assert len({key for _, _, key in rows}) == 64
+    side = lambda key: held_out(key, task.heldout_fraction, task.name)  # noqa: E731
+    assert all(side(key) for _, _, key in held)
+    assert not all(side(key) for _, _, key in whole)  # the whole space's draw has training problems
+    assert distinct_problems("chat_pair", 64, 0, heldout=True) == held  # the same on every call
+
+
+def test_the_rule_picks_the_highest_cv_that_qualifies_at_the_first_temperature() -> None:
+    base = {"problems": 1275, "heldout": 370, "accuracy": 0.3, "cv": 0.35, "capped": 0.1}
+    results = {
+        ("a", 1.0): {**base, "cv": 0.31},
+        ("b", 1.0): {**base, "cv": 0.45, "accuracy": 0.55},  # too accurate for the rule
+        ("c", 0.7): {**base, "cv": 0.60},
+        ("d", 1.0): {**base, "cv": 0.40},
+    }
+    assert pick(results) == (("d", 1.0), "rule, T=1.0")
+    assert qualifies(results["b", 1.0], FALLBACK) and not qualifies(results["b", 1.0], RULE)
+    assert pick({("b", 1.0): results["b", 1.0]}) == (("b", 1.0), "fallback (provisional), T=1.0")
+    assert pick({("x", 1.0): {**base, "heldout": 200}}) == (None, "none")
