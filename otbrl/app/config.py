@@ -113,6 +113,20 @@ class RecipeKeys:
             (no stage before RL sees a held-out prompt); `"all"`, the whole prompt space, held-out prompts
             included (the shipped checkpoints that the registered experiments start from).
 
+        > Supervised warm start of a chat model (`otbrl sft`, before RL)
+
+        sft_steps (`int`, *optional*, defaults to `0`):
+            Steps of supervised training on worked solutions of the task's training side before RL (`0`:
+            none). The warm start is built once per setting, model, library versions and machine kind,
+            and cached under `$OTBRL_CACHE/sft/`; every run with the same settings starts from it.
+        sft_learning_rate (`float`, *optional*, defaults to `2e-05`):
+            Its constant learning rate.
+        sft_batch_size (`int`, *optional*, defaults to `8`):
+            Worked solutions per step.
+        sft_seed (`int`, *optional*, defaults to `0`):
+            Which training-side problems and solution styles it draws: runs with different `seed`s start
+            from one model.
+
         > Machine and output
 
         threads (`int` or `None`, *optional*, defaults to `None`):
@@ -155,6 +169,10 @@ class RecipeKeys:
     warm_start_seed: int = 0
     warm_start_seconds: float = 600.0
     warm_start_split: str = "all"
+    sft_steps: int = 0
+    sft_learning_rate: float = 2e-5
+    sft_batch_size: int = 8
+    sft_seed: int = 0
     tools: list[str] | None = None
     max_turns: int | None = None
     threads: int | None = None

@@ -299,6 +299,12 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
         raise ValueError("chat: warm:/random: models use a character tokenizer without a chat template")
     if recipe["sampler"] not in ("trl", "otbrl"):
         raise ValueError(f"sampler: must be trl or otbrl, got {recipe['sampler']!r}")
+    if recipe["sft_steps"] < 0 or recipe["sft_batch_size"] < 1 or recipe["sft_learning_rate"] <= 0:
+        raise ValueError("sft_steps must be >= 0, sft_batch_size >= 1 and sft_learning_rate > 0")
+    if recipe["sft_steps"] and synthetic:
+        raise ValueError(
+            "sft_steps: a supervised warm start is for a pretrained chat model, not warm:/random:"
+        )
     if recipe["warm_start_split"] not in ("all", "train"):
         raise ValueError(f"warm_start_split: must be all or train, got {recipe['warm_start_split']!r}")
     if recipe["chat"] and recipe["tools"]:

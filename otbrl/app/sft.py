@@ -17,8 +17,10 @@ model folder that `otbrl train --model FOLDER` starts from, with `sft-summary.js
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -132,6 +134,65 @@ def warm_start_chat(
         f"loss {summary['loss_first']} -> {summary['loss_last']}; model in {final}"
     )
     return final
+
+
+def sft_key(recipe: dict[str, Any]) -> str:
+    """What a recipe's warm start is a function of: the source model (a file's content where it is one),
+    the task and system prompt, the `sft_*` settings, precision, library versions and the machine kind
+    (float32 sums differ in their last bits between CPU kinds, and a run's step-0 score with them)."""
+    import platform
+
+    import torch
+    import transformers
+    import trl
+
+    from otbrl.app.precision import cpu_flags
+    from otbrl.app.sources import _digest, gguf_file
+
+    source = gguf_file(str(recipe["model"]))
+    model = str(recipe["model"]) if source is None else f"gguf:{_digest(source)}"
+    parts = {
+        "model": model,
+        "revision": recipe.get("model_revision"),
+        "task": recipe["task"],
+        "system_prompt": recipe.get("system_prompt"),
+        "settings": [recipe[k] for k in ("sft_steps", "sft_learning_rate", "sft_batch_size", "sft_seed")],
+        "bf16": bool(recipe.get("bf16")),
+        "versions": [torch.__version__, transformers.__version__, trl.__version__],
+        "machine": [platform.machine(), sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")))],
+        "cuda": _cuda(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def with_sft(recipe: dict[str, Any], log: Callable[[str], Any] = print) -> dict[str, Any]:
+    """The recipe with `model` set to its supervised warm start (`sft_steps` > 0), built on first use under
+    `$OTBRL_CACHE/sft/<task>-<steps>-<key>` (one process builds it while the others wait on a lock) and
+    reused after; a recipe without `sft_steps` is returned as it is."""
+    if not recipe.get("sft_steps"):
+        return recipe
+    from filelock import FileLock
+
+    from otbrl.app.sources import cache_dir
+
+    where = cache_dir() / "sft" / f"{recipe['task']}-{recipe['sft_steps']}-{sft_key(recipe)}"
+    where.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(where) + ".lock"):
+        if not (where / "final" / "config.json").is_file():
+            log(f"sft: building the warm start ({recipe['sft_steps']} steps) in {where}")
+            shutil.rmtree(where, ignore_errors=True)  # a build killed half way starts again
+            warm_start_chat(
+                recipe,
+                int(recipe["sft_steps"]),
+                where,
+                learning_rate=float(recipe["sft_learning_rate"]),
+                batch_size=int(recipe["sft_batch_size"]),
+                seed=int(recipe["sft_seed"]),
+                log=log,
+            )
+        else:
+            log(f"sft: the warm start in {where} (built before: reused)")
+    return {**recipe, "model": str(where / "final"), "model_fallback": None}
 
 
 def _cuda() -> bool:

@@ -26,6 +26,7 @@ from otbrl.app.metrics import read_metrics
 from otbrl.app.plots import plot_curves
 from otbrl.app.precision import resolve_bf16
 from otbrl.app.recipe import make_config, tool_settings
+from otbrl.app.sft import with_sft
 from otbrl.app.sources import (
     check_enough_rows,
     choose_model,
@@ -109,7 +110,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     ledger = PromptLedger(make_reward(recipe))  # inside the guard: the guard counts the failures
     reward = GuardedReward(ledger, max_failure_fraction=recipe["reward_max_failure_fraction"])
     tools, max_turns = tool_settings(recipe)
-    recipe = choose_model(recipe, log)
+    recipe = with_sft(choose_model(recipe, log), log)  # a chat model's supervised warm start, if asked
     synthetic = str(recipe["model"]).partition(":")[0] in ("warm", "random")
     tokenizer = None if synthetic else load_tokenizer(recipe)
     if tokenizer is not None:

@@ -83,3 +83,28 @@ def test_sft_refuses_what_it_cannot_demonstrate(tmp_path, chat_model) -> None:
     bad.write_text(f"model: {chat_model}\ntask: chat_story\n")
     with pytest.raises(SystemExit, match="otbrl sft: .*no worked solutions"):
         main(["sft", "--config", str(bad), "--steps", "2", "--output-dir", str(tmp_path / "d")])
+
+
+def test_a_recipe_with_sft_steps_starts_from_one_cached_warm_start(tmp_path, chat_model, monkeypatch) -> None:
+    from otbrl.app.recipe import load_recipe
+    from otbrl.app.sft import with_sft
+
+    monkeypatch.setenv("OTBRL_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(
+        "smollm2-addlist",
+        {"model": str(chat_model), "model_fallback": None, "sft_steps": 2, "sft_batch_size": 4},
+    )
+    lines: list[str] = []
+    first = with_sft(recipe, lines.append)
+    assert any("building" in line for line in lines) and first["model"].startswith(str(tmp_path / "cache" / "sft"))
+    stamp = (tmp_path / first["model"] / "model.safetensors").stat().st_mtime_ns
+    again = with_sft(recipe, lines.append)
+    assert again["model"] == first["model"] and "reused" in lines[-1]
+    assert (tmp_path / first["model"] / "model.safetensors").stat().st_mtime_ns == stamp
+    other = with_sft({**recipe, "sft_seed": 1}, lines.append)  # another setting: another warm start
+    assert other["model"] != first["model"] and "building" in lines[-2]
+    assert with_sft({**recipe, "sft_steps": 0}, lines.append) == {**recipe, "sft_steps": 0}
+    with pytest.raises(ValueError, match="sft_steps"):
+        load_recipe("demo", {"sft_steps": 3})  # warm:<preset> models have their own warm start
+    with pytest.raises(ValueError, match="sft_steps"):
+        load_recipe("smollm2-addlist", {"sft_steps": -1})
