@@ -96,7 +96,8 @@ def test_a_recipe_with_sft_steps_starts_from_one_cached_warm_start(tmp_path, cha
     )
     lines: list[str] = []
     first = with_sft(recipe, lines.append)
-    assert any("building" in line for line in lines) and first["model"].startswith(str(tmp_path / "cache" / "sft"))
+    assert any("building" in line for line in lines)
+    assert first["model"].startswith(str(tmp_path / "cache" / "sft"))
     stamp = (tmp_path / first["model"] / "model.safetensors").stat().st_mtime_ns
     again = with_sft(recipe, lines.append)
     assert again["model"] == first["model"] and "reused" in lines[-1]
