@@ -128,7 +128,7 @@ class CellSums:
                     want, got = state["d"][i, j], v.square().sum().item()
                     diff = abs(got - want) / max(abs(want), 1e-300)
                     state["max_diff"] = max(float(state["max_diff"]), diff)
-                    if diff > TOLERANCE:
+                    if not diff <= TOLERANCE:  # NaN included
                         raise RuntimeError(
                             f"{desc}: batch {j} measured again gives ||g||^2 = {got!r} for {name}, against "
                             f"{want!r} the first time (relative difference {diff:.2e} > {TOLERANCE:g}): this "
@@ -162,7 +162,8 @@ class CellSums:
         state_file = self.folder / "state.npz"
         if self.progress.is_file() and state_file.is_file():
             saved = json.loads(self.progress.read_text())
-            if saved["header"] == self.header:
+            grads_kept = int(saved["stored"]) == 0 or (self.folder / "grads.npy").is_file()
+            if saved["header"] == self.header and grads_kept:
                 with np.load(state_file) as z:
                     state = {key: z[key].copy() for key in z.files}
                 state["n1"], state["n2"] = int(state["n1"]), int(state["n2"])

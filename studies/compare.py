@@ -955,6 +955,8 @@ def pilot(
     stage2: list[Run] = []
     if ok and exp.pilot.get("variance_seeds") and not train:
         stage2 = [r for r in variance_plan(exp, runs_dir, picks) if has_record(r, records)]
+    elif ok and exp.pilot.get("variance_seeds") and arms is not None:
+        log(f"{exp.name} pilot: gate passed; its second stage runs without --arms (every arm at its pick)")
     elif ok and exp.pilot.get("variance_seeds"):
         stage2 = variance_plan(exp, runs_dir, picks)
         log(

@@ -82,6 +82,12 @@ def distinct_problems(name: str, n: int, seed: int, heldout: bool = False) -> li
     """`n` (prompt, answer, key) of distinct problems, drawn from the whole space (`heldout`: from its
     held-out side only) in the task's own distribution (duplicates of a problem already drawn are skipped)."""
     task = get_task(name)
+    if task.problems is not None:
+        keys = task.problems()
+        have = sum(held_out(k, task.heldout_fraction, task.name) for k in keys) if heldout else len(keys)
+        if n > have:
+            side = "held-out side" if heldout else "space"
+            raise ValueError(f"{name}: {n} distinct problems asked, its {side} has {have}")
     rng = random.Random(f"{name}:pilot2:{seed}")
     rows, seen = [], set()
     while len(rows) < n:

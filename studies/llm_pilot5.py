@@ -66,7 +66,7 @@ def warm(task: str, steps: int, where: Path) -> tuple[Any, Any, dict[str, Any]]:
     """The candidate's warm start (trained once, kept in `where`), loaded; and its summary."""
     recipe = choose_model(load_recipe("smollm2-addlist", {"task": task}), print)
     final = where / "final"
-    if not (final / "config.json").is_file():
+    if not (where / "sft-summary.json").is_file():  # written last: a killed build has none
         warm_start_chat(recipe, steps, where, learning_rate=LEARNING_RATE, batch_size=BATCH, seed=SEED)
     model, tokenizer = load_model({**recipe, "model": str(final)}, print)
     summary = json.loads((where / "sft-summary.json").read_text())

@@ -325,11 +325,19 @@ def run_cell(
     model, tokenizer, about = policy
     k, labels = study.k(stage, cell), vector_labels(study)
     dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    header = {"protocol": stamp, "k": k, "dim": dim, "labels": labels, "weights": about["weights"]}
+    header = {
+        "protocol": stamp,
+        "k": k,
+        "dim": dim,
+        "labels": labels,
+        "weights": about["weights"],
+        "threads": threads,  # another thread count may sum in another order: a recomputed batch must repeat
+    }
     folder = scratch / stage / cell.name
     if store_gb is None:
         folder.mkdir(parents=True, exist_ok=True)
-        held = sum(f.stat().st_size for f in folder.glob("grads.npy"))  # a resumed cell's own file counts
+        # a resumed cell's own file counts, as the blocks it holds (a fresh memory map is sparse)
+        held = sum(f.stat().st_blocks * 512 for f in folder.glob("grads.npy"))
         store_gb = max(0.0, (shutil.disk_usage(folder).free + held) / 1e9 - 10.0)
     work = CellSums(folder, header, batches_that_fit(k, len(labels), dim, store_gb))
 

@@ -301,6 +301,8 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
         raise ValueError(f"sampler: must be trl or otbrl, got {recipe['sampler']!r}")
     if recipe["sft_steps"] < 0 or recipe["sft_batch_size"] < 1 or recipe["sft_learning_rate"] <= 0:
         raise ValueError("sft_steps must be >= 0, sft_batch_size >= 1 and sft_learning_rate > 0")
+    if recipe["sft_steps"] and recipe["chat"] is False:
+        raise ValueError("sft_steps: the warm start trains chat messages; it needs chat: true")
     if recipe["sft_steps"] and synthetic:
         raise ValueError(
             "sft_steps: a supervised warm start is for a pretrained chat model, not warm:/random:"

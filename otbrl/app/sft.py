@@ -27,11 +27,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from otbrl import __version__ as otbrl_version
+from otbrl.app.precision import resolve_bf16
 from otbrl.app.recipe import load_recipe
 from otbrl.app.sources import as_chat, choose_model, load_model
 from otbrl.tasks import dataset, get_task
 from otbrl.tasks.chat_problems import PROBLEM_TASKS
-from otbrl.tasks.worked import STYLES
+from otbrl.tasks.worked import STYLES, WEIGHTS
 
 
 def sft_rows(task: str, n: int, seed: int, system_prompt: str | None = None) -> list[dict[str, Any]]:
@@ -56,7 +58,8 @@ def sft_rows(task: str, n: int, seed: int, system_prompt: str | None = None) -> 
 
 
 def style_of(text: str) -> str:
-    """Which of `STYLES` a worked solution is (for the summary's counts)."""
+    """Which of `STYLES` a worked solution reads as (for the summary's counts; with two terms, steps and
+    whole are the same text and count as whole)."""
     if "=" not in text:
         return "brief"
     return "steps" if text.count("=") > 1 else "whole"
@@ -95,7 +98,7 @@ def warm_start_chat(
         lr_scheduler_type="constant",
         completion_only_loss=True,
         max_length=longest,
-        bf16=bool(recipe.get("bf16", False)),
+        bf16=bool(resolve_bf16(recipe.get("bf16", False), not _cuda())[0]),
         save_strategy="no",
         report_to=[],
         logging_steps=1,
@@ -157,8 +160,11 @@ def sft_key(recipe: dict[str, Any]) -> str:
         "task": recipe["task"],
         "system_prompt": recipe.get("system_prompt"),
         "settings": [recipe[k] for k in ("sft_steps", "sft_learning_rate", "sft_batch_size", "sft_seed")],
-        "bf16": bool(recipe.get("bf16")),
-        "versions": [torch.__version__, transformers.__version__, trl.__version__],
+        "bf16": bool(resolve_bf16(recipe.get("bf16", False), not _cuda())[0]),
+        "lengths": [recipe.get("max_prompt_length"), recipe.get("max_completion_length")],
+        "chat_template_kwargs": recipe.get("chat_template_kwargs"),
+        "demonstrations": [STYLES, WEIGHTS],
+        "versions": [torch.__version__, transformers.__version__, trl.__version__, otbrl_version],
         "machine": [platform.machine(), sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")))],
         "cuda": _cuda(),
     }
@@ -178,7 +184,7 @@ def with_sft(recipe: dict[str, Any], log: Callable[[str], Any] = print) -> dict[
     where = cache_dir() / "sft" / f"{recipe['task']}-{recipe['sft_steps']}-{sft_key(recipe)}"
     where.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(where) + ".lock"):
-        if not (where / "final" / "config.json").is_file():
+        if not (where / "sft-summary.json").is_file():  # written last: a killed build has none
             log(f"sft: building the warm start ({recipe['sft_steps']} steps) in {where}")
             shutil.rmtree(where, ignore_errors=True)  # a build killed half way starts again
             warm_start_chat(
@@ -192,7 +198,8 @@ def with_sft(recipe: dict[str, Any], log: Callable[[str], Any] = print) -> dict[
             )
         else:
             log(f"sft: the warm start in {where} (built before: reused)")
-    return {**recipe, "model": str(where / "final"), "model_fallback": None}
+    # sft_steps 0: the recipe.yaml a run writes then names the warm start itself, not a second one on it
+    return {**recipe, "model": str(where / "final"), "model_fallback": None, "sft_steps": 0}
 
 
 def _cuda() -> bool:

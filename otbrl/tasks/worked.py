@@ -3,7 +3,7 @@ the targets of a supervised warm start (`otbrl.app.sft`).
 
 Each solution takes one of three styles, drawn per example, so that a model warm-started on them samples
 answers of different lengths for the same problem (the within-group variation OTB is for) and RL can
-learn which style pays:
+learn which style pays (with two terms, steps and whole are the same text: two lengths, not three):
 
     steps   one addition per line of working: "3 + 8 = 11. 11 + 5 = 16. The total is 16."
     whole   all terms in one line:            "3 + 8 + 5 = 16. The total is 16."

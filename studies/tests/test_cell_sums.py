@@ -106,6 +106,29 @@ def test_a_batch_that_does_not_repeat_stops_the_cell(tmp_path) -> None:
     _close(sums, _reference())
 
 
+def test_a_state_without_its_stored_gradients_starts_over(tmp_path) -> None:
+    folder = tmp_path / "cell"
+    with pytest.raises(KeyboardInterrupt):
+        _work(folder, stored=4).run(Batches(stop_after=7), ESTIMATORS, log=lambda _: None)
+    (folder / "grads.npy").unlink()  # the state alone would read zeros for the stored batches
+    measure = Batches()
+    _, sums, _ = _work(folder, stored=4).run(measure, ESTIMATORS, log=lambda _: None)
+    assert measure.calls == K + (K - 4)  # from the start
+    _close(sums, _reference())
+
+
+def test_a_recomputed_batch_whose_norm_is_nan_stops_the_cell(tmp_path) -> None:
+    class NaNAgain(Batches):
+        def __call__(self, j):
+            vectors, info = super().__call__(j)
+            if self.calls > K:  # the second pass
+                vectors = {k: v * float("nan") for k, v in vectors.items()}
+            return vectors, info
+
+    with pytest.raises(RuntimeError, match="did not repeat"):
+        _work(tmp_path / "cell", stored=0).run(NaNAgain(), ESTIMATORS, log=lambda _: None)
+
+
 def test_batches_that_fit() -> None:
     per_batch = 4 * 532_352 * 4  # walk's cells: 4 rows of 532,352 float32
     assert batches_that_fit(15_280, 4, 532_352, 130.2) == 15_280  # all of walk-rl-N4

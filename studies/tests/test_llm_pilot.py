@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from otbrl.tasks import get_task
 from otbrl.tasks.split import held_out
 from studies.llm_pilot2 import FALLBACK, RULE, distinct_problems, pick, qualifies
@@ -17,6 +19,8 @@ def test_pilot_draws_are_distinct_problems_and_pilot5s_are_held_out() -> None:
     assert all(side(key) for _, _, key in held)
     assert not all(side(key) for _, _, key in whole)  # the whole space's draw has training problems
     assert distinct_problems("chat_pair", 64, 0, heldout=True) == held  # the same on every call
+    with pytest.raises(ValueError, match="held-out side has 370"):
+        distinct_problems("chat_pair", 371, 0, heldout=True)  # would never end
 
 
 def test_the_rule_picks_the_highest_cv_that_qualifies_at_the_first_temperature() -> None:

@@ -104,8 +104,14 @@ def test_a_recipe_with_sft_steps_starts_from_one_cached_warm_start(tmp_path, cha
     assert (tmp_path / first["model"] / "model.safetensors").stat().st_mtime_ns == stamp
     other = with_sft({**recipe, "sft_seed": 1}, lines.append)  # another setting: another warm start
     assert other["model"] != first["model"] and "building" in lines[-2]
+    assert first["sft_steps"] == 0  # the recipe.yaml a run writes names the warm start, not a second one
     assert with_sft({**recipe, "sft_steps": 0}, lines.append) == {**recipe, "sft_steps": 0}
+    (tmp_path / first["model"]).parent.joinpath("sft-summary.json").unlink()  # a build killed while saving
+    rebuilt = with_sft(recipe, lines.append)
+    assert rebuilt["model"] == first["model"] and "building" in lines[-2]
     with pytest.raises(ValueError, match="sft_steps"):
         load_recipe("demo", {"sft_steps": 3})  # warm:<preset> models have their own warm start
     with pytest.raises(ValueError, match="sft_steps"):
         load_recipe("smollm2-addlist", {"sft_steps": -1})
+    with pytest.raises(ValueError, match="chat: true"):
+        load_recipe("smollm2-addlist", {"sft_steps": 2, "chat": False})
