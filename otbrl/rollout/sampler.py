@@ -275,6 +275,7 @@ def decode(
     sampling: SamplingSettings | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     head_in_float32: bool = False,
+    compact: bool = False,
 ) -> Decoded:
     """The KV-cache sampling loop on left-padded ids (B, P). A row ends at any id of `eos_id` (one id or
     several: pass `eos_token_ids(model, tokenizer)` to end where `generate` ends), after its own budget
@@ -282,8 +283,12 @@ def decode(
     `tokenizer`), or when `stop(tokens (B,)) -> (B,) bool` says so (called once per step with the tokens
     just sampled; it may keep state). Each token is drawn from the logits after `sampling`'s processors
     (`SamplingSettings.processors`), as `generate` draws it; `head_in_float32` runs the output head in
-    float32 outside autocast (`float32_head`). Returns a `Decoded`: the tokens, their mask, and each
-    token's log-prob and energy under softmax(z / T) of the very logits it was sampled from (the model's
+    float32 outside autocast (`float32_head`); `compact` drops the rows that have ended from the KV cache
+    and the forward: each row draws from the same random numbers, but its logits come from a smaller
+    batch, so they may differ in the last bits (a token can then differ, rarely): off by default, so
+    that no registered experiment's numbers move. Returns a
+    `Decoded`: the tokens, their mask, and each token's log-prob and energy under softmax(z / T) of the
+    very logits it was sampled from (the model's
     own, so any soft-capping or logit scale is in them; the processors' filters are not), at
     `temperature` (1 when decoding greedily)."""
     device = prompt_ids.device
@@ -310,6 +315,7 @@ def decode(
             stop,
             processors,
             strings,
+            compact,
         )
 
 
@@ -325,6 +331,7 @@ def _loop(
     stop: Callable[[torch.Tensor], torch.Tensor] | None,
     processors: LogitsProcessorList,
     strings: StopStringCriteria | None,
+    compact: bool = False,
 ) -> Decoded:
     """`decode`'s loop, each step as `generate`'s sampling step: processors over the whole row so far
     (prompt, then generated tokens; pad after a row's end), then a draw from softmax of the result."""
@@ -347,8 +354,17 @@ def _loop(
     tokens, logps, masks, energies = [], [], [], []
     done = budget <= 0
     reason = torch.full((batch,), BUDGET, dtype=torch.long, device=device)
+    # The rows still in the KV cache: a row that has ended leaves it, so each step's forward runs on the
+    # rows still decoding only (most rows of a large batch end long before its longest). Every step
+    # still draws for all B rows (an ended row's logits are zeros and its token is discarded), so each
+    # row's random draws are those of the uncompacted loop.
+    cached = torch.arange(batch, device=device)
     for step in range(int(budget.max().item()) if batch else 0):
-        logits = out.logits[:, -1].float()  # (B, V)
+        if cached.numel() == batch:
+            logits = out.logits[:, -1].float()  # (B, V)
+        else:
+            logits = out.logits.new_zeros((batch, out.logits.shape[-1]), dtype=torch.float32)
+            logits[cached] = out.logits[:, -1].float()
         logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
         scores = processors(rows, logits.clone()) if processors else logits
         if temperature == 0:
@@ -372,9 +388,14 @@ def _loop(
         done = done | ended_eos | ended_string | ended_stop | (budget <= step + 1)
         if bool(done.all()):
             break
+        still = ~done[cached]
+        if compact and not bool(still.all()):  # rows ended this step: drop them from the cache
+            keep = still.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            cached, attention_mask, next_pos = cached[keep], attention_mask[keep], next_pos[keep]
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
         out = model(
-            input_ids=tok[:, None],
+            input_ids=tok[cached, None],
             attention_mask=attention_mask,
             position_ids=next_pos,
             past_key_values=cache,

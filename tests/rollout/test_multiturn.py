@@ -43,9 +43,17 @@ class ScriptedLM(torch.nn.Module):
     def device(self) -> torch.device:
         return self.anchor.device
 
-    def forward(self, input_ids, attention_mask, **_):  # noqa: ANN001, ANN201
+    def forward(self, input_ids, attention_mask, past_key_values=None, **_):  # noqa: ANN001, ANN201
         if attention_mask.shape[1] == input_ids.shape[1]:  # prefill of a new turn
             self.ctx = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask, strict=True)]
+            if past_key_values is not None:  # its state is part of the cache: rows that end leave both
+                select = past_key_values.batch_select_indices
+
+                def drop(keep, select=select):  # noqa: ANN001, ANN202
+                    self.ctx = [self.ctx[i] for i in keep.tolist()]
+                    select(keep)
+
+                past_key_values.batch_select_indices = drop
         else:
             for row, t in zip(self.ctx, input_ids[:, 0].tolist(), strict=True):
                 row.append(t)

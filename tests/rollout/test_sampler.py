@@ -182,6 +182,31 @@ def test_stop_strings_end_rows_like_generate():
     assert stopped >= 16
 
 
+@pytest.mark.parametrize("name", ["qwen2", "llama", "gemma2"])
+@pytest.mark.parametrize("settings", [{}, SETTINGS["all"]])
+def test_dropping_ended_rows_from_the_cache_keeps_every_draw(name, settings):
+    """Rows that have ended leave the KV cache and the forward (`compact`): every token, mask and reason
+    equals the reference loop's, and log-probs and energies agree to float32 rounding (the forward runs
+    on a smaller batch), while rows end at many different steps."""
+    model = family_model(name, seed=1, sharpen=4.0)
+    ids, mask = prompts(40, seed=5)
+    budget = torch.tensor([3 + (i * 7) % 20 for i in range(40)])  # own budgets too: 3..22 tokens
+    eos = [FIRST_EOS, SECOND_EOS]
+    out = {}
+    for compact in (False, True):
+        torch.manual_seed(3)
+        out[compact] = decode(
+            model, ids, mask, budget, 0.9, eos, PAD, sampling=SamplingSettings(**settings), compact=compact
+        )
+    ref, fast = out[False], out[True]
+    lengths = ref.completion_mask.sum(1)
+    assert len(set(lengths.tolist())) > 5  # rows did end at many steps: the compaction was exercised
+    for field in ("completion_ids", "completion_mask", "reason"):
+        assert torch.equal(getattr(ref, field), getattr(fast, field)), field
+    torch.testing.assert_close(fast.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fast.energy, ref.energy, rtol=0, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # how a token is drawn
 # ----------------------------------------------------------------------------------------------------------
