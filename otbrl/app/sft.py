@@ -242,4 +242,4 @@ def command(args: argparse.Namespace, rest: list[str]) -> None:
             seed=args.seed,
         )
     except ValueError as err:
-        raise SystemExit(f"otbrl sft: {err}") from None
+        raise SystemExit(f"otbrl {err}" if str(err).startswith("sft:") else f"otbrl sft: {err}") from None
