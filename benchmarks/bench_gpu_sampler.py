@@ -5,7 +5,7 @@ sampling at temperature 1: top_k 0, top_p 1), Qwen2.5-0.5B's configuration with 
     python3 benchmarks/bench_gpu_sampler.py --out docs/results/gpu-sampler.md   # a CUDA machine, ~2 min
     .venv/bin/python benchmarks/bench_gpu_sampler.py --quick                    # a tiny Qwen2 on the CPU
 
-Each cell: one untimed warm-up call of the same batch (at most 128 tokens), then the mean of `--repeats`
+Each cell: one untimed warm-up call of the same shape (the whole length), then the mean of `--repeats`
 timed calls (GPU synchronised). Tokens counted are the completion tokens each call returned (a random
 model rarely samples eos, so nearly all rows run to the length asked for); prompts are 32 tokens.
 """
@@ -41,7 +41,8 @@ def write_page(out: Path, rows: list[list[str]], gpu: str, size: str, cuda: bool
     description = (
         f"GPU: {gpu}; torch {torch.__version__}, transformers {transformers.__version__}. {size} "
         f"configuration, random weights, {'bf16' if cuda else 'float32'}; 32-token prompts; plain "
-        f"sampling at temperature 1; {repeats} timed call(s) per cell after one short warm-up. The sampler "
+        f"sampling at temperature 1; {repeats} timed call(s) per cell after one warm-up of the whole length. "
+        "The sampler "
         "also returns each token's log-prob and OTB energy; generate returns tokens only."
     )
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -108,8 +109,10 @@ def main() -> None:
 
         speeds = {}
         for name, call in (("otbrl sampler", otbrl_call), ("generate", generate_call)):
-            warm = min(length, 128)  # kernels and the allocator warm up on a short call of the same batch
-            timed(lambda call=call, warm=warm: call(length=warm))
+            # A whole-length warm-up: attention backends that build a plan per key length (cuDNN's, which
+            # `generate` may use on an H100) have then built every plan, as they have after a few training
+            # steps; a short warm-up left them to whichever contender ran first (gpu-decode-profile.md).
+            timed(call)
             runs = [timed(call) for _ in range(args.repeats)]
             seconds = sum(t for t, _ in runs) / len(runs)
             tokens = sum(n for _, n in runs) / len(runs)

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation import (
     LogitsProcessorList,
@@ -199,6 +200,17 @@ class Decoded(NamedTuple):
     energy: torch.Tensor
 
 
+def attention_for_decoding(device: torch.device) -> Any:
+    """The attention kernels `decode` runs under: on CUDA, every SDPA backend but cuDNN's. cuDNN builds
+    an execution graph for each new key length, and a KV-cache loop meets a new length at every step: on an
+    H100 (torch 2.11) its attention call cost 1.88 ms of CPU per layer and step against microseconds of GPU
+    work, so 1,024-token decoding ran at 75-80 ms a step once past the lengths already seen, 25 ms within
+    them (docs/results/gpu-decode-profile.md). Elsewhere nothing changes."""
+    if device.type != "cuda":
+        return nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 @torch.no_grad()
 def _observer(on_step: Callable[[], None]) -> Callable[[torch.Tensor], torch.Tensor]:
     """A `decode` stop rule that never stops a row and calls `on_step` once per step."""
@@ -290,7 +302,8 @@ def decode(
     `Decoded`: the tokens, their mask, and each token's log-prob and energy under softmax(z / T) of the
     very logits it was sampled from (the model's
     own, so any soft-capping or logit scale is in them; the processors' filters are not), at
-    `temperature` (1 when decoding greedily)."""
+    `temperature` (1 when decoding greedily). On CUDA it runs without cuDNN's attention
+    (`attention_for_decoding`)."""
     device = prompt_ids.device
     batch = prompt_ids.shape[0]
     settings = sampling if sampling is not None else SamplingSettings()
@@ -302,7 +315,7 @@ def decode(
     strings = StopStringCriteria(tokenizer, list(settings.stop_strings)) if settings.stop_strings else None
     processors = settings.processors(temperature, prompt_mask)
     budget = torch.as_tensor(max_new_tokens, device=device).expand(batch)
-    with float32_head(model) if head_in_float32 else nullcontext():
+    with float32_head(model) if head_in_float32 else nullcontext(), attention_for_decoding(device):
         return _loop(
             model,
             prompt_ids,

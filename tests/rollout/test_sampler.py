@@ -20,6 +20,7 @@ from otbrl.rollout.sampler import (  # noqa: E402
     EOS,
     STOP_STRING,
     SamplingSettings,
+    attention_for_decoding,
     decode,
     eos_token_ids,
     float32_head,
@@ -399,6 +400,39 @@ def test_float32_head_under_bf16_autocast():
     with float32_head(model):
         assert head.forward is not own
     assert head.forward is own
+
+
+def test_decoding_on_cuda_leaves_out_cudnn_attention_and_only_there(monkeypatch):
+    """On CUDA the loop runs with every SDPA backend but cuDNN's (whose per-length graph builds made
+    1,024-token decoding 3x slower on an H100); the flags come back afterwards, and on the CPU the loop
+    runs under whatever the caller set. `decode` enters the context for the model's device."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_for_decoding(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with attention_for_decoding(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+    import otbrl.rollout.sampler as sampler
+
+    seen = []
+
+    def spy(device):  # noqa: ANN001, ANN202
+        seen.append(device)
+        return attention_for_decoding(torch.device("cuda"))  # the CUDA context, on CPU tensors
+
+    monkeypatch.setattr(sampler, "attention_for_decoding", spy)
+    ids, mask = prompts(4)
+    model = family_model("qwen2", seed=0).eval()
+    g = torch.Generator().manual_seed(0)
+    out = decode(model, ids, mask, 5, 1.0, [FIRST_EOS], PAD, generator=g)
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.undo()
+    ref = decode(model, ids, mask, 5, 1.0, [FIRST_EOS], PAD, generator=g)
+    assert seen == [ids.device]
+    assert torch.equal(out.completion_ids, ref.completion_ids)  # CPU kernels: the same numbers
 
 
 def test_settings_are_checked():
