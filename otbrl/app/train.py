@@ -145,6 +145,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
                 progress=not config.disable_tqdm,
                 samples=recipe["eval_samples"],
                 batch_size=recipe["eval_batch_size"],
+                compact=recipe["compact_decoding"],
             )
 
     trainer = OTBGRPOTrainer(
@@ -153,7 +154,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
         args=config,
         train_dataset=Dataset.from_list(train_rows),
         processing_class=tokenizer,
-        **_rollouts(tools, max_turns, recipe["sampler"]),
+        **_rollouts(tools, max_turns, recipe["sampler"], recipe["compact_decoding"]),
     )
     # After the trainer is built: it has put the model where training samples (the GPU, say), so the
     # step-0 score is sampled there, in training's precision, like the scores at the token budgets.
@@ -172,6 +173,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
             # only when it changes the score: earlier one-sample keys stay valid
             **({"samples": recipe["eval_samples"]} if recipe["eval_samples"] > 1 else {}),
             **({"batch_size": recipe["eval_batch_size"]} if recipe["eval_batch_size"] else {}),
+            **({"compact": True} if recipe["compact_decoding"] else {}),
         }
         log(f"held-out evaluation before training: {len(eval_rows)} prompts x {recipe['eval_samples']} each")
         folder = cache_folder()
@@ -234,13 +236,15 @@ def written(out: Path) -> list[str]:
     return names
 
 
-def _rollouts(tools: tuple[str, ...], max_turns: int, sampler: str) -> dict[str, Callable]:
-    """OTBGRPOTrainer's `rollout_func` keyword: otbrl's sampler, with tools or one turn; none when TRL
-    generates."""
+def _rollouts(
+    tools: tuple[str, ...], max_turns: int, sampler: str, compact: bool = False
+) -> dict[str, Callable]:
+    """OTBGRPOTrainer's `rollout_func` keyword: otbrl's sampler, with tools or one turn (`compact`: ended
+    rows leave the KV cache); none when TRL generates."""
     if not tools and sampler == "trl":
         return {}
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns that rollout_func is experimental
-    return {"rollout_func": rollout_func(list(tools), max_turns) if tools else sampler_rollout_func()}
+    return {"rollout_func": rollout_func(list(tools), max_turns) if tools else sampler_rollout_func(compact)}
 
 
 def summarise(

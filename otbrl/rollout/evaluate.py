@@ -27,13 +27,15 @@ def evaluate(
     progress: bool = False,
     samples: int = 1,
     batch_size: int | None = None,
+    compact: bool = False,
 ) -> float:
     """Mean of `score` over `samples` completions per row ({"prompt", "answer"}), sampled at
     `temperature` (reproducible given `seed`), with tool calls between turns when `tools` names any.
     `progress`: a bar over the decoding steps (at most `max_new_tokens`; the same numbers with or without
     it). `batch_size`: decode at most this many completions at a time (None: all at once), which bounds
     the KV cache's memory; chunks continue one random stream, so a chunked evaluation is reproducible but
-    draws other samples than an unchunked one. Leaves the model in eval mode."""
+    draws other samples than an unchunked one. `compact`: single-turn decoding drops ended rows from its
+    KV cache (`decode`'s `compact`). Leaves the model in eval mode."""
     if not rows:
         raise ValueError("rows: nothing to evaluate")
     if samples < 1:
@@ -65,6 +67,7 @@ def evaluate(
                 tools,
                 max_turns,
                 on_step=None if bar is None else lambda: bar.update(1),
+                compact=compact,
             )
     finally:
         if bar is not None:

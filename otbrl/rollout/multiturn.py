@@ -196,10 +196,11 @@ def sample_texts(
     tools: list[str] | tuple[str, ...] | Mapping[str, Tool] = (),
     max_turns: int = 0,
     on_step: Callable[[], None] | None = None,
+    compact: bool = False,
 ) -> list[str]:
     """One decoded completion per prompt: with tool calls between turns when `tools` names any (tool
     output included in the text), else a plain single-turn sample (`on_step` after each of its decoding
-    steps)."""
+    steps; `compact`: ended rows leave the KV cache)."""
     if tools:
         ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
         toolbox = resolve_tools(tools)
@@ -207,5 +208,13 @@ def sample_texts(
             model, tokenizer, ids, toolbox, max_new_tokens, max_turns, temperature, generator=generator
         ).texts
     return sample(
-        model, tokenizer, prompts, 1, max_new_tokens, temperature, generator=generator, on_step=on_step
+        model,
+        tokenizer,
+        prompts,
+        1,
+        max_new_tokens,
+        temperature,
+        generator=generator,
+        on_step=on_step,
+        compact=compact,
     ).texts

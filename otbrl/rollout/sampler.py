@@ -232,12 +232,14 @@ def sample(
     generator: torch.Generator | None = None,
     sampling: SamplingSettings | None = None,
     on_step: Callable[[], None] | None = None,
+    compact: bool = False,
 ) -> Samples:
     """Sample `num_samples` completions of each prompt, at most `max_new_tokens` tokens each (eos
     included). `temperature == 0` decodes greedily and reports log-probs and energy at temperature 1.
     Rows stop at any eos id of the model and the tokenizer (`eos_token_ids`) or a stop string of
     `sampling`; the loop ends when every row has. `generator` (on the model's device) makes it
-    reproducible. `on_step()` is called after each decoding step (a progress bar; it changes nothing)."""
+    reproducible. `on_step()` is called after each decoding step (a progress bar; it changes nothing).
+    `compact`: rows that have ended leave the KV cache and the forward (`decode`)."""
     if num_samples < 1 or max_new_tokens < 1:
         raise ValueError("num_samples and max_new_tokens must be >= 1")
     if temperature < 0:
@@ -259,6 +261,7 @@ def sample(
         stop=None if on_step is None else _observer(on_step),
         sampling=sampling,
         tokenizer=tokenizer,
+        compact=compact,
     )
     return Samples(
         prompt_ids=prompt_ids,

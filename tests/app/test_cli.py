@@ -211,3 +211,25 @@ def test_a_reward_function_that_fails_in_training_stops_the_run_with_its_text(
     )
     first = [r.getMessage() for r in caplog.records if r.name == "otbrl.rewards"]
     assert first and first[0].startswith("otbrl: reward function flaky failed: RuntimeError: grader unavail")
+
+
+def test_compact_decoding_reaches_every_decode_of_a_run(tmp_path, monkeypatch):
+    """`compact_decoding: true` with `sampler: otbrl` drops ended rows in the training rollouts and in
+    every held-out evaluation; left at its default, no decode compacts (registered numbers stay put)."""
+    import otbrl.rollout.sampler as sampler
+
+    real, seen = sampler.decode, []
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(kwargs.get("compact", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sampler, "decode", spy)
+    monkeypatch.setattr("otbrl.integrations.trl.rollout.decode", spy)
+    for compact in (True, False):
+        seen.clear()
+        keys = {**FAST, "max_steps": 1, "sampler": "otbrl", "compact_decoding": compact}
+        recipe = load_recipe("demo", {**keys, "output_dir": str(tmp_path / str(compact)), "plot": False})
+        run(recipe, log=lambda *_: None)
+        assert len(seen) >= 3  # the step-0 evaluation, a training rollout, the final evaluation
+        assert seen == [compact] * len(seen)

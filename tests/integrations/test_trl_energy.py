@@ -438,3 +438,8 @@ def test_sampler_rollout_applies_the_chat_template_and_the_trainers_autocast():
         assert ids[-1] == tokenizer.eos_token_id or len(ids) == 5
         assert all(e >= 0 for e in energy)
     assert model.training  # back in the mode it was in
+    torch.manual_seed(0)
+    compact = sampler_rollout_func(compact=True)([[{"role": "user", "content": "12+3"}], "45+6="], trainer)
+    assert compact["completion_ids"] == out["completion_ids"]  # same draws with ended rows dropped
+    for a, b in zip(compact["logprobs"], out["logprobs"], strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)

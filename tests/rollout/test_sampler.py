@@ -497,6 +497,33 @@ def test_several_samples_per_prompt_score_their_mean():
         evaluate(model, tok, rows, score, 8, samples=0)
 
 
+def test_a_compact_evaluation_decodes_compacted_and_scores_the_same_completions(monkeypatch):
+    """evaluate(compact=True) asks `decode` to drop ended rows and, on this model (rows that end at
+    different steps, the same draws), scores exactly the completions of the plain evaluation."""
+    import otbrl.rollout.sampler as sampler
+    from otbrl.rollout import evaluate
+
+    model, tok = biased_model({FIRST_EOS: 1.5}), char_tokenizer()
+    rows = [{"prompt": t, "answer": "1"} for t in ("12+3=", "7+70=", "5+5=", "9+1=", "40+2=", "3+3=")]
+    texts: list[list[str]] = []
+    real, asked = sampler.decode, []
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        asked.append(kwargs.get("compact"))
+        return real(*args, **kwargs)
+
+    def score(p, c, a):  # noqa: ANN001, ANN202
+        texts.append(list(c))
+        return [float(len(x) % 2) for x in c]
+
+    monkeypatch.setattr(sampler, "decode", spy)
+    plain = evaluate(model, tok, rows, score, 12, seed=5, samples=4)
+    compact = evaluate(model, tok, rows, score, 12, seed=5, samples=4, compact=True)
+    assert asked == [False, True]
+    assert len({len(t) for t in texts[0]}) > 1, "every row ended together: nothing was compacted"
+    assert texts[0] == texts[1] and plain == compact
+
+
 def test_a_chunked_evaluation_bounds_the_batch_and_scores_every_completion(monkeypatch):
     """evaluate(batch_size=k) decodes at most k completions at a time (the KV cache's bound), scores all
     of them in order, is reproducible, and equals the one-batch evaluation where nothing is random

@@ -231,10 +231,11 @@ def rollout_func(
     return rollout
 
 
-def sampler_rollout_func() -> Callable[[list, Any], dict[str, Any]]:
+def sampler_rollout_func(compact: bool = False) -> Callable[[list, Any], dict[str, Any]]:
     """A single-turn TRL `rollout_func` through otbrl's KV-cache sampler (`otbrl.rollout.sampler.decode`):
     each token's energy comes from the logits it was sampled from (`otb_energy`), so OTB needs no extra
-    forward pass. Chat prompts (message lists) go through the tokenizer's chat template."""
+    forward pass. Chat prompts (message lists) go through the tokenizer's chat template. `compact`: rows
+    that have ended leave the KV cache (`decode`'s `compact`)."""
 
     def rollout(prompts: list, trainer: Any) -> dict[str, Any]:
         tokenizer = trainer.processing_class
@@ -267,6 +268,7 @@ def sampler_rollout_func() -> Callable[[list, Any], dict[str, Any]]:
                     sampling=settings,
                     tokenizer=tokenizer,
                     head_in_float32=_head_in_float32(trainer),
+                    compact=compact,
                 )
         finally:
             model.train(was_training)
