@@ -216,6 +216,7 @@ def test_a_reward_function_that_fails_in_training_stops_the_run_with_its_text(
 def test_compact_decoding_reaches_every_decode_of_a_run(tmp_path, monkeypatch):
     """`compact_decoding: true` with `sampler: otbrl` drops ended rows in the training rollouts and in
     every held-out evaluation; left at its default, no decode compacts (registered numbers stay put)."""
+    import otbrl.integrations.trl.rollout as trl_rollout
     import otbrl.rollout.sampler as sampler
 
     real, seen = sampler.decode, []
@@ -225,7 +226,7 @@ def test_compact_decoding_reaches_every_decode_of_a_run(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sampler, "decode", spy)
-    monkeypatch.setattr("otbrl.integrations.trl.rollout.decode", spy)
+    monkeypatch.setattr(trl_rollout, "decode", spy)
     for compact in (True, False):
         seen.clear()
         keys = {**FAST, "max_steps": 1, "sampler": "otbrl", "compact_decoding": compact}
