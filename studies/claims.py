@@ -26,7 +26,8 @@ from typing import Any
 
 from otbrl.app.recipe import load_recipe
 from otbrl.tasks import dataset
-from studies.experiment import arm_names, load_experiment
+from studies.compare import gap_row, picks_and_gate
+from studies.experiment import arm_names, experiment_names, load_experiment, pilot_plan
 from studies.inference import (
     HELD,
     INCONCLUSIVE,
@@ -643,7 +644,56 @@ def _load_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def gap_section(studies: dict[str, dict[str, Any] | None]) -> list[str]:
+def gap_pilots(results: Path) -> list[tuple[str, str, bool | None]]:
+    """Pilots that tested the gap itself (a `gate.gap` in their protocol), read from their committed
+    records: the larger group at its budget against the smaller at its own, each at its pick, averaged
+    over the pilot seeds (`compare.gap_row`). One (experiment, line, whether the gap passed; None:
+    pending) each."""
+    lines = []
+    for name in experiment_names():
+        exp = load_experiment(name)
+        gap = ((exp.pilot or {}).get("gate") or {}).get("gap")
+        records = results / "runs" / f"{name}-pilot"
+        if not gap or not records.is_dir():
+            continue
+        runs = pilot_plan(exp, Path("runs/compare") / name / "pilot")
+        picks = picks_and_gate(exp, runs, records)[0]
+        row, passed = gap_row(gap, picks, runs, records)
+        if row[1] == "pending":
+            lines.append(
+                f"- `{name}` pilots the gap ({gap['larger']} against {gap['smaller']}): not complete"
+            )
+            continue
+        budget = {
+            role: kilo(next(r.overrides["max_generated_tokens"] for r in runs if r.arm.startswith(arm + "@")))
+            for role, arm in (("larger", gap["larger"]), ("smaller", gap["smaller"]))
+        }
+        lrs = sorted({r.overrides["learning_rate"] for r in runs})
+        edge = [arm for arm in (gap["larger"], gap["smaller"]) if picks[arm] == lrs[-1]]
+        text = (
+            f"- `{name}` pilots the gap itself ({len(pilot_seeds_of(exp))} seeds, each arm at its held-out "
+            f"pick): {gap['larger']} at {budget['larger']} tokens {row[3]} against {gap['smaller']} at "
+            f"{budget['smaller']} tokens {row[2]}, a difference of {row[4]} where the protocol needs "
+            f"{row[5]}: **{'passed' if passed else 'failed'}**"
+            + ("" if passed else ", so none of its reported runs starts")
+            + (
+                f". {' and '.join(edge)} picked the grid's top rate ({lrs[-1]:g}), so a higher rate might "
+                "move either end"
+                if edge
+                else ""
+            )
+            + "."
+        )
+        lines.append((name, text, passed))
+    return lines
+
+
+def pilot_seeds_of(exp: Any) -> list[int]:
+    pilot = exp.pilot or {}
+    return list(pilot.get("seeds") or [pilot.get("seed")])
+
+
+def gap_section(studies: dict[str, dict[str, Any] | None], results: Path = Path("docs/results")) -> list[str]:
     """Claim (b) is about OTB, not about group size, only where the larger group at more tokens beats the
     small one (issue 33): each `matches` comparison's same-N controls on the same test, in words."""
     lines = []
@@ -661,8 +711,11 @@ def gap_section(studies: dict[str, dict[str, Any] | None]) -> list[str]:
                 lines.append(
                     f"- `{name}`, {k['arm']} − {c['baseline']} ({at}): {_interval(h['interval'])}: {reading}"
                 )
-    if not lines:
+    piloted = gap_pilots(results)
+    if not lines and not piloted:
         return []
+    shown = any(passed for _, _, passed in piloted)
+    names = " and ".join(f"`{name}`" for name, _, _ in piloted)
     return [
         "**Claim (b) needs a gap.** A 'matches' verdict says something about OTB only where the larger "
         "group, given more tokens, beats the same-N baselines. These are the same-N controls of each "
@@ -670,11 +723,27 @@ def gap_section(studies: dict[str, dict[str, Any] | None]) -> list[str]:
         "",
         *lines,
         "",
-        "Against GRPO N=32 at 3x the tokens, as the paper states claim (b), no task here shows the gap. On "
-        "walk3 GRPO at N=4 matches N=32. On smollm2 the three N=32 seeds decide nothing. walk2's N=32 arm "
-        "failed its learning gate. No other task was piloted for the gap in this round: one N=32 run costs "
-        "1–2 CPU hours here. The group-mean form on tir2 (N=4 against N=16 at 4x the tokens) does show "
-        "the gap, and there OTB's 'matches' held.",
+        "Against GRPO N=32 at 3x the tokens, as the paper states claim (b), "
+        + ("only a task piloted for it (below) shows the gap" if shown else "no task here shows the gap")
+        + ". On walk3 GRPO at N=4 matches N=32. On smollm2 the three N=32 seeds decide nothing. walk2's "
+        "N=32 arm failed its learning gate. "
+        + (
+            f"{names} {'were' if len(piloted) > 1 else 'was'} piloted for the gap itself (below); "
+            if piloted
+            else "No task was piloted for the gap itself; "
+        )
+        + "one N=32 run costs 1–2 CPU hours here, so no further task was tried. The group-mean form on "
+        "tir2 (N=4 against N=16 at 4x the tokens) does show the gap, and there OTB's 'matches' held.",
+        *(
+            [
+                "",
+                "Piloted for the gap before any OTB run (issue 33, item 3):",
+                "",
+                *(t for _, t, _ in piloted),
+            ]
+            if piloted
+            else []
+        ),
     ]
 
 
@@ -747,7 +816,7 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         "",
         *holm_section(rows, pvalues),
         "",
-        *gap_section({"walk3": walk3, "tir2": tir2, "smollm2": smollm2}),
+        *gap_section({"walk3": walk3, "tir2": tir2, "smollm2": smollm2}, results),
         "",
         "**Protocol changes after a first run started.**",
         "",

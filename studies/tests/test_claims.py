@@ -268,7 +268,7 @@ def test_the_shipped_readme_states_what_claims_md_states() -> None:
     assert section == readme_block(page, readme), "run `python -m studies claims --readme README.md`"
 
 
-def test_the_gap_section_reads_each_same_n_control_by_its_verdict():
+def test_the_gap_section_reads_each_same_n_control_by_its_verdict(tmp_path):
     """Claim (b) needs a gap (issue 33): a control that passes the matches test means no gap, one that
     fails means a gap, an inconclusive one shows neither."""
     from studies.claims import gap_section
@@ -293,12 +293,12 @@ def test_the_gap_section_reads_each_same_n_control_by_its_verdict():
             }
         ]
     }
-    lines = gap_section({"x": res, "empty": None})
+    lines = gap_section({"x": res, "empty": None}, tmp_path)
     text = "\n".join(lines)
     assert "grpo-N4 − grpo-N32" in text and "cannot single out OTB" in text
     assert "dr_grpo-N4 − grpo-N32" in text and "(a gap)" in text
     assert "rloo-N4 − grpo-N32" in text and "no gap shown either way" in text
-    assert gap_section({"x": {"comparisons": [{"baseline": "b"}]}}) == []
+    assert gap_section({"x": {"comparisons": [{"baseline": "b"}]}}, tmp_path) == []  # no pilot records there
 
 
 def test_the_readme_names_a_registered_study_by_its_study(tmp_path):
@@ -316,3 +316,20 @@ def test_the_readme_names_a_registered_study_by_its_study(tmp_path):
     assert "| (a) x | `variance-a` | **held** |" in block
     assert "| (a) x | `variance-b` | **not tested, interim: 2 of 8 cells measured** |" in block
     assert "| b | `walk3` | **inconclusive** |" in block
+
+
+def test_the_gap_pilot_reads_as_its_pilot_page_does():
+    """claims.md's reading of a pilot that tested the gap (walk4: GRPO N=32 at 1.2M against N=4 at 400k)
+    carries the numbers and the pass/fail of the pilot page's gap row, both from the committed records."""
+    from pathlib import Path
+
+    from studies.claims import gap_pilots
+
+    results = Path(__file__).resolve().parents[2] / "docs" / "results"
+    page = (results / "walk4-pilot.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| gap: grpo-N32 − grpo-N4"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    (name, line, passed), *_ = [g for g in gap_pilots(results) if g[0] == "walk4"]
+    assert passed is (cells[-1] == "**passed**")
+    assert f"grpo-N32 at 1200k tokens {cells[3]} against grpo-N4 at 400k tokens {cells[2]}" in line
+    assert f"a difference of {cells[4]}" in line and ("**failed**" in line) is (not passed)
