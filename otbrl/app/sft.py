@@ -140,6 +140,11 @@ def warm_start_chat(
 
 
 def sft_key(recipe: dict[str, Any]) -> str:
+    """The name of a recipe's warm start: a hash of `sft_key_parts`."""
+    return hashlib.sha256(json.dumps(sft_key_parts(recipe), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def sft_key_parts(recipe: dict[str, Any]) -> dict[str, Any]:
     """What a recipe's warm start is a function of: the source model (a file's content where it is one),
     the task and system prompt, the `sft_*` settings, precision, library versions and the machine kind
     (float32 sums differ in their last bits between CPU kinds, and a run's step-0 score with them)."""
@@ -168,7 +173,7 @@ def sft_key(recipe: dict[str, Any]) -> str:
         "machine": [platform.machine(), sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")))],
         "cuda": _cuda(),
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return parts
 
 
 def with_sft(recipe: dict[str, Any], log: Callable[[str], Any] = print) -> dict[str, Any]:
@@ -187,6 +192,11 @@ def with_sft(recipe: dict[str, Any], log: Callable[[str], Any] = print) -> dict[
         if not (where / "sft-summary.json").is_file():  # written last: a killed build has none
             log(f"sft: building the warm start ({recipe['sft_steps']} steps) in {where}")
             shutil.rmtree(where, ignore_errors=True)  # a build killed half way starts again
+            where.mkdir(parents=True)
+            # what the folder's name hashes: when a later run builds again, a diff of two of these says why
+            (where / "key.json").write_text(
+                json.dumps(sft_key_parts(recipe), indent=1, sort_keys=True) + "\n"
+            )
             warm_start_chat(
                 recipe,
                 int(recipe["sft_steps"]),

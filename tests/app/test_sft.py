@@ -5,7 +5,9 @@ cannot demonstrate."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,7 +89,7 @@ def test_sft_refuses_what_it_cannot_demonstrate(tmp_path, chat_model) -> None:
 
 def test_a_recipe_with_sft_steps_starts_from_one_cached_warm_start(tmp_path, chat_model, monkeypatch) -> None:
     from otbrl.app.recipe import load_recipe
-    from otbrl.app.sft import with_sft
+    from otbrl.app.sft import sft_key, sft_key_parts, with_sft
 
     monkeypatch.setenv("OTBRL_CACHE", str(tmp_path / "cache"))
     recipe = load_recipe(
@@ -99,6 +101,10 @@ def test_a_recipe_with_sft_steps_starts_from_one_cached_warm_start(tmp_path, cha
     assert any("building" in line for line in lines)
     assert first["model"].startswith(str(tmp_path / "cache" / "sft"))
     stamp = (tmp_path / first["model"] / "model.safetensors").stat().st_mtime_ns
+    folder = Path(first["model"]).parent  # <task>-<steps>-<key>: key.json holds what the key hashes
+    parts = json.loads((folder / "key.json").read_text())
+    assert parts == json.loads(json.dumps(sft_key_parts(recipe))) and folder.name.endswith(sft_key(recipe))
+    assert hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16] == sft_key(recipe)
     again = with_sft(recipe, lines.append)
     assert again["model"] == first["model"] and "reused" in lines[-1]
     assert (tmp_path / first["model"] / "model.safetensors").stat().st_mtime_ns == stamp
