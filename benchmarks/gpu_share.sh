@@ -6,9 +6,10 @@
 # records are bundled into $OUT/records.tgz every 20 s and at the end, so a stop at LIMIT seconds keeps
 # every finished run. Untar the bundle in the repository root and commit it: the other machines'
 # `python -m studies compare EXP` then skip those runs. Every run's train.log comes back in $OUT/logs.tgz,
-# so a failed run's cause is read here. The GPU share's runs each get an equal cap on the GPU's memory
-# (studies' execute sets OTBRL_GPU_MEMORY_FRACTION = 0.9/GPU_JOBS; 16 uncapped runs filled an 80 GB H100:
-# docs/results/gpu-crowd.md). QUICK=1 runs the experiment's --quick version (a dry run).
+# so a failed run's cause is read here. The GPU share's runs each get a cap on the GPU's memory (studies'
+# execute: 1.25x each arm's peak measured in committed records from this GPU kind, fewer at once if they
+# do not fit; else 0.9/GPU_JOBS each, which starves larger arms: docs/results/gpu-crowd.md, try 3).
+# QUICK=1 runs the experiment's --quick version (a dry run).
 set -u
 exp=${EXP:?EXP: the experiment}; out=${OUT:-gpu-share}; limit=${LIMIT:-540}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from otbrl.app.gpu_memory import share_env
+from otbrl.app.gpu_memory import ENV as GPU_SHARE_ENV
+from otbrl.app.gpu_memory import share_env, sized_shares
 from otbrl.app.heldout_cache import ENV as HELDOUT_CACHE_ENV
 from otbrl.app.metrics import read_metrics
 from studies.pages import read_record, write_record
@@ -265,6 +266,43 @@ def seed_elsewhere(run: Run, records: Path | None, here: dict[str, Any]) -> str:
     return ""
 
 
+def measured_peaks(records: Path | None, arms: set[str], device: str) -> dict[str, float]:
+    """Each arm's largest peak GPU memory (GiB) over its committed records trained on `device`."""
+    peaks: dict[str, float] = {}
+    for arm in sorted(arms) if records is not None else []:
+        for path in sorted((records / arm).glob("seed*.json.gz")):
+            rec = read_record(path)
+            gib = rec["summary"].get("peak GPU memory (GiB)")
+            if gib is not None and (rec.get("environment") or {}).get("device") == device:
+                peaks[arm] = max(peaks.get(arm, 0.0), float(gib))
+    return peaks
+
+
+def gpu_shares(
+    todo: list[Run], jobs: int, records: Path | None, env: dict[str, Any] | None, log: Callable[[str], Any]
+) -> tuple[dict[int, dict[str, str]], int]:
+    """Each run's cap on the GPU's memory when runs share one (no number changes; see gpu_memory), and how
+    many may run at once. Sized from the arms' measured peaks on this GPU when every arm has one
+    (`sized_shares`); else an equal share, which starves the larger arms when the arms differ in size."""
+    if not todo or not torch.cuda.is_available() or jobs <= 1 or os.environ.get(GPU_SHARE_ENV):
+        return {}, jobs
+    device = (env or {}).get("device")
+    peaks = measured_peaks(records, {r.arm for r in todo}, device) if device else {}
+    if all(r.arm in peaks for r in todo):
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        caps, fit = sized_shares([peaks[r.arm] for r in todo], jobs, total)
+        if fit < jobs:
+            log(f"GPU memory: {fit} runs at a time, not {jobs}: the largest measured peaks fit no more")
+        return {id(r): {GPU_SHARE_ENV: f"{c:.4f}"} for r, c in zip(todo, caps, strict=True)}, fit
+    missing = sorted({r.arm for r in todo} - set(peaks))
+    if len({r.arm for r in todo}) > 1:
+        log(
+            f"GPU memory: no measured peak on {device or 'this GPU'} for {', '.join(missing)}: an equal "
+            "share each (0.9/jobs), which fails arms that need more than the others (gpu-crowd.md, try 3)"
+        )
+    return {id(r): share_env(jobs) for r in todo}, jobs
+
+
 def make_record(run: Run, stamp: dict[str, Any]) -> dict[str, Any]:
     """The record of a finished run, from its directory."""
     started = run.dir / "started.json"
@@ -370,8 +408,7 @@ def execute(
     shared = Path(os.path.commonpath([str(r.dir) for r in todo])) / ".heldout-before" if todo else None
 
     env = environment() if todo else None
-    # runs that share a GPU each get an equal cap on its memory (no number changes; see gpu_memory)
-    gpu = share_env(jobs) if torch.cuda.is_available() else {}
+    gpu, jobs = gpu_shares(todo, jobs, records, env, log)
 
     def one(run: Run) -> None:
         start = time.perf_counter()
@@ -383,7 +420,7 @@ def execute(
         if started.is_file():
             first = json.loads(started.read_text())
         started.write_text(json.dumps({**first, "environment": env}))
-        code, failure = _train(recipe, run, shared, gpu)
+        code, failure = _train(recipe, run, shared, gpu.get(id(run), {}))
         if failure:
             failures.append(failure)
         else:

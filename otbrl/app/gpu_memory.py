@@ -6,19 +6,24 @@ the GPU only when that process itself runs out. Sixteen runs started together on
 their context, or CUBLAS_STATUS_ALLOC_FAILED in their first backward (docs/results/gpu-crowd.md). A cap
 per process (`torch.cuda.set_per_process_memory_fraction`) makes each allocator recycle its own cache
 before it grows into the room of the others; it changes no number a run computes.
+
+An equal share is right only when the runs need the same: with walk's N=4 and N=32 arms sixteen at once,
+0.9/16 of an H100 (4.45 GiB) failed all eight N=32 runs in their first backward (gpu-crowd.md, try 3).
+So a share is sized from each arm's measured peak where one is known (`sized_shares`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 ENV = "OTBRL_GPU_MEMORY_FRACTION"
 SHARED = 0.9  # of the GPU, split between the processes; the rest is for their CUDA contexts
+HEADROOM = 1.25  # times a measured peak: the allocator's slack, and batches a little longer than measured
 
 
 def parse_fraction(value: str | None) -> float | None:
@@ -53,6 +58,26 @@ def share_env(jobs: int, environ: dict[str, str] | None = None) -> dict[str, str
     if jobs <= 1 or environ.get(ENV):
         return {}
     return {ENV: f"{math.floor(SHARED / jobs * 1e4) / 1e4:.4f}"}  # rounded down: the shares fit
+
+
+def sized_shares(peaks: Sequence[float], jobs: int, total_gib: float) -> tuple[list[float], int]:
+    """Caps for runs whose peaks (GiB, one per run, measured by earlier runs of the same arm on this kind
+    of GPU) are known: each run gets HEADROOM x its peak as a fraction of the GPU, rounded up to 1e-4, and
+    the number of runs that may run at once drops from `jobs` until any that many of them (the largest
+    caps first) fit in SHARED of the GPU. Raises when one run alone does not fit."""
+    if not peaks:
+        return [], jobs
+    caps = [math.ceil(HEADROOM * gib / total_gib * 1e4) / 1e4 for gib in peaks]
+    if max(caps) > SHARED:
+        raise ValueError(
+            f"a run measured at {max(peaks):.2f} GiB needs {max(caps):.0%} of this {total_gib:.0f} GiB GPU "
+            f"with {HEADROOM}x headroom, more than the {SHARED:.0%} runs may share"
+        )
+    largest = sorted(caps, reverse=True)
+    fit = max(1, min(jobs, len(caps)))
+    while fit > 1 and sum(largest[:fit]) > SHARED:
+        fit -= 1
+    return caps, fit
 
 
 def peak_gib() -> float | None:

@@ -485,6 +485,49 @@ def test_runs_sharing_a_gpu_each_get_an_equal_memory_cap(tmp_path, monkeypatch) 
     assert len(seen) == 2 and all(ENV not in e for e in seen)
 
 
+def test_runs_sharing_a_gpu_get_caps_sized_from_their_arms_measured_peaks(tmp_path, monkeypatch) -> None:
+    """With a committed record of each arm on this GPU that names its peak, execute gives each run
+    HEADROOM x its arm's peak (an N=32 arm more than an N=4 one), ignores peaks from another GPU, and runs
+    fewer at once when the largest caps would not fit; an arm with no peak here falls back to equal shares,
+    with a line that says so."""
+    from otbrl.app.gpu_memory import ENV, HEADROOM
+
+    exp = load_experiment("walk3")
+    todo = [r for r in plan(exp, tmp_path / "runs") if r.seed in (0, 1) and r.arm in ("otb-N4", "grpo-N32")]
+    records = tmp_path / "records"
+    for arm, gib, device in (
+        ("otb-N4", 2.0, "GPU X"),
+        ("grpo-N32", 28.0, "GPU X"),
+        ("grpo-N32", 60.0, "GPU Y"),
+    ):
+        rec = {"summary": {"peak GPU memory (GiB)": gib}, "environment": {"device": device}}
+        write_record(records / arm / f"seed{9 if device == 'GPU Y' else 7}.json.gz", rec)
+    seen: list[dict] = []
+    lines: list[str] = []
+
+    def call(args, stdout, stderr, env):  # noqa: ANN001, ANN202
+        seen.append({"arm": next(a for a in args if a in ("otb", "grpo")), "cap": env.get(ENV)})
+        return 1
+
+    monkeypatch.setattr(runs.subprocess, "call", call)
+    monkeypatch.setattr(runs, "environment", lambda: {"device": "GPU X"})
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(runs.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        runs.torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2**30})
+    )
+    runs.execute("walk3", exp.recipe, todo, jobs=4, log=lines.append, records=records)
+    caps = {e["arm"]: float(e["cap"]) for e in seen}
+    assert len(seen) == 4 and caps["otb"] == pytest.approx(HEADROOM * 2 / 80, abs=1e-4)
+    assert caps["grpo"] == pytest.approx(HEADROOM * 28 / 80, abs=1e-4)  # GPU Y's 60 GiB is not this GPU's
+    assert any(
+        "2 runs at a time, not 4" in line for line in lines
+    )  # 2 N=32 caps (0.4375 each) and a third run exceed 0.9
+    seen.clear(), lines.clear()
+    runs.execute("walk3", exp.recipe, todo, jobs=4, log=lines.append, records=tmp_path / "none")
+    assert {e["cap"] for e in seen} == {"0.2250"} and any("equal share" in line for line in lines)
+
+
 def test_same_machine_keeps_a_seeds_arms_on_one_kind_of_machine(tmp_path, monkeypatch) -> None:
     """same_machine (issue 34): an arm of a seed whose other arm was trained on another kind of machine
     (device, native bf16, versions) is refused here with a line saying where it belongs; the seeds whose

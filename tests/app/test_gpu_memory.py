@@ -53,3 +53,24 @@ def test_launchers_split_the_shared_part_equally_and_respect_a_chosen_fraction()
 def test_no_peak_without_cuda():
     if not torch.cuda.is_available():
         assert peak_gib() is None
+
+
+def test_sized_shares_follow_each_runs_peak_and_cut_the_runs_at_once_to_what_fits():
+    """walk's arms on an 80 GiB GPU: N=32 runs measured at 6 GiB and N=4 runs at 1.5 GiB get caps in that
+    ratio (HEADROOM x peak), and 16 at once shrink to the most whose largest caps fit in SHARED."""
+    from otbrl.app.gpu_memory import HEADROOM, SHARED, sized_shares
+
+    peaks = [6.0, 1.5] * 8
+    caps, fit = sized_shares(peaks, 16, 80.0)
+    assert caps[:2] == [
+        pytest.approx(HEADROOM * 6 / 80, abs=1e-4),
+        pytest.approx(HEADROOM * 1.5 / 80, abs=1e-4),
+    ]
+    assert all(c * 80 >= HEADROOM * p for c, p in zip(caps, peaks, strict=True))  # rounded up, never down
+    largest = sorted(caps, reverse=True)
+    assert sum(largest[:fit]) <= SHARED < sum(largest[: fit + 1])  # the most that surely fit
+    assert fit == 14  # all 8 N=32 runs (0.0938 each) and 6 N=4 runs (0.0234) fit in 0.9; 15 would not
+    assert sized_shares([1.0] * 4, 16, 80.0)[1] == 4  # never more runs at once than runs
+    assert sized_shares([], 4, 80.0) == ([], 4)
+    with pytest.raises(ValueError, match="more than"):
+        sized_shares([70.0], 2, 80.0)
