@@ -15,6 +15,9 @@ exp=${EXP:?EXP: the experiment}; out=${OUT:-gpu-share}; limit=${LIMIT:-540}; mkd
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 quick=${QUICK:+--quick}
 records=docs/results/runs/$exp; [ -n "$quick" ] && records=runs/compare-quick/results/runs/$exp
+# PILOT=1: the experiment's pilot (`compare --pilot --arms`, every pilot seed; seeds whose arms trained
+# on another kind of machine are refused with a line saying so)
+[ -n "${PILOT:-}" ] && records=docs/results/runs/$exp-pilot
 marker=$(mktemp); start=$SECONDS
 bundle() {
   find "$records" -name 'seed*.json.gz' -newer "$marker" 2>/dev/null | sort > "$out/.list"
@@ -24,7 +27,8 @@ nvidia-smi -L 2>/dev/null || echo "no GPU: the GPU share runs on the CPU"
 share() {  # name arms seeds jobs [env...]
   local name=$1 arms=$2 seeds=$3 jobs=$4; shift 4
   [ -n "$arms" ] || return 0
-  env "$@" timeout "$limit" python3 -m studies compare "$exp" $quick --arms "$arms" --seeds "$seeds" \
+  local which=(--seeds "$seeds"); [ -n "${PILOT:-}" ] && which=(--pilot)
+  env "$@" timeout "$limit" python3 -m studies compare "$exp" $quick --arms "$arms" "${which[@]}" \
     --jobs "$jobs" --runs-dir "runs/share-$name/$exp" > "$out/$name.log" 2>&1
   echo "$name share: exit $? after $((SECONDS - start)) s"
 }

