@@ -27,7 +27,7 @@ from typing import Any
 from otbrl.app.recipe import load_recipe
 from otbrl.tasks import dataset
 from studies.compare import gap_row, picks_and_gate
-from studies.experiment import arm_names, experiment_names, load_experiment, pilot_plan
+from studies.experiment import arm_names, experiment_names, load_experiment, pilot_plan, pilot_seeds
 from studies.inference import (
     HELD,
     INCONCLUSIVE,
@@ -671,7 +671,7 @@ def gap_pilots(results: Path) -> list[tuple[str, str, bool | None]]:
         lrs = sorted({r.overrides["learning_rate"] for r in runs})
         edge = [arm for arm in (gap["larger"], gap["smaller"]) if picks[arm] == lrs[-1]]
         text = (
-            f"- `{name}` pilots the gap itself ({len(pilot_seeds_of(exp))} seeds, each arm at its held-out "
+            f"- `{name}` pilots the gap itself ({len(pilot_seeds(exp))} seeds, each arm at its held-out "
             f"pick): {gap['larger']} at {budget['larger']} tokens {row[3]} against {gap['smaller']} at "
             f"{budget['smaller']} tokens {row[2]}, a difference of {row[4]} where the protocol needs "
             f"{row[5]}: **{'passed' if passed else 'failed'}**"
@@ -686,11 +686,6 @@ def gap_pilots(results: Path) -> list[tuple[str, str, bool | None]]:
         )
         lines.append((name, text, passed))
     return lines
-
-
-def pilot_seeds_of(exp: Any) -> list[int]:
-    pilot = exp.pilot or {}
-    return list(pilot.get("seeds") or [pilot.get("seed")])
 
 
 def gap_section(studies: dict[str, dict[str, Any] | None], results: Path = Path("docs/results")) -> list[str]:

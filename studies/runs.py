@@ -291,7 +291,7 @@ def gpu_shares(
     if all(r.arm in peaks for r in todo):
         total = torch.cuda.get_device_properties(0).total_memory / 2**30
         caps, fit = sized_shares([peaks[r.arm] for r in todo], jobs, total)
-        if fit < jobs:
+        if fit < min(jobs, len(todo)):
             log(f"GPU memory: {fit} runs at a time, not {jobs}: the largest measured peaks fit no more")
         return {id(r): {GPU_SHARE_ENV: f"{c:.4f}"} for r, c in zip(todo, caps, strict=True)}, fit
     missing = sorted({r.arm for r in todo} - set(peaks))
