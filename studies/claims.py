@@ -676,6 +676,8 @@ def gap_pilots(results: Path) -> list[tuple[str, str, bool | None]]:
             f"{budget['smaller']} tokens {row[2]}, a difference of {row[4]} where the protocol needs "
             f"{row[5]}: **{'passed' if passed else 'failed'}**"
             + ("" if passed else ", so none of its reported runs starts")
+            + " (the gate's rule on the pilot's means, not a tested difference: with so few seeds the true "
+            "gap may lie on either side of the margin)"
             + (
                 f". {' and '.join(edge)} picked the grid's top rate ({lrs[-1]:g}), so a higher rate might "
                 "move either end"
