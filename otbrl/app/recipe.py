@@ -292,7 +292,8 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
         raise ValueError("model: warm:<preset> warm-starts on a built-in task; set task, or give a model")
     tools, turns = tool_settings(recipe)
     if tools:
-        resolve_tools(list(tools))  # unknown names fail here
+        if episode_of(recipe) is None:
+            resolve_tools(list(tools))  # unknown names fail here
         if turns < 1:
             raise ValueError(f"max_turns: must be >= 1 when tools are given, got {turns}")
     if recipe["chat"] and synthetic:
@@ -309,8 +310,6 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
         )
     if recipe["warm_start_split"] not in ("all", "train"):
         raise ValueError(f"warm_start_split: must be all or train, got {recipe['warm_start_split']!r}")
-    if recipe["chat"] and recipe["tools"]:
-        raise ValueError("chat: tool rollouts take plain-text prompts; set chat: false or drop tools")
     options = recipe["estimator_options"]
     if not (options is None or isinstance(options, dict)):  # names and values: OTBGRPOConfig (resolve)
         raise ValueError(f"estimator_options: expected a mapping ({{leave_one_out: true}}), got {options!r}")
@@ -325,6 +324,13 @@ def tool_settings(recipe: dict[str, Any]) -> tuple[tuple[str, ...], int]:
         tools = [tools]
     turns = recipe["max_turns"] if recipe["max_turns"] is not None else (task.max_turns if task else 3)
     return tuple(tools), int(turns)
+
+
+def episode_of(recipe: dict[str, Any]) -> Any:
+    """The recipe's task's `episode` (each completion's own toolbox, `otbrl.tasks.builtin.Task`), unless
+    the recipe names its own tools; else None."""
+    task = get_task(recipe["task"]) if recipe["task"] else None
+    return task.episode if task is not None and recipe["tools"] is None else None
 
 
 AUTO_KEYS = ("bf16",)  # keys that also take "auto" (otbrl.app.precision)

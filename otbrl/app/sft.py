@@ -39,22 +39,47 @@ from otbrl.tasks.worked import STYLES, WEIGHTS
 def sft_rows(task: str, n: int, seed: int, system_prompt: str | None = None) -> list[dict[str, Any]]:
     """`n` conversational prompt-completion rows of `task`'s training side, each completion the task's
     demonstration (`Task.demonstrate`: for the chat sum tasks a worked solution, its style drawn from a
-    generator seeded by task and seed). A task with no demonstration, or one that uses tools, is refused."""
+    generator seeded by task and seed). A demonstration with tool output (a multi-turn task) keeps its
+    parts, `parts: [[text, trained], ...]`, so that the tool's output is not trained on (`tokenized_rows`).
+    A task with no demonstration for a chat model is refused."""
     spec = get_task(task)
-    if spec.demonstrate is None or spec.tools or spec.vocabulary != "text":
+    if spec.demonstrate is None or spec.vocabulary != "text":
         worked = [t for t in PROBLEM_TASKS if PROBLEM_TASKS[t].demonstrate is not None]
         raise ValueError(f"sft: task {task!r} has no worked solutions for a chat model; one of {worked}")
     rng = random.Random(f"sft:{task}:{seed}")
     rows = []
     for r in dataset(spec, n, seed=seed, split="train"):
-        solution = "".join(text for text, _ in spec.demonstrate(r["prompt"], r["answer"], rng))
-        rows.append(
-            {
-                "prompt": as_chat(r["prompt"], system_prompt),
-                "completion": [{"role": "assistant", "content": solution}],
-            }
-        )
+        parts = spec.demonstrate(r["prompt"], r["answer"], rng)
+        solution = "".join(text for text, _ in parts)
+        row = {
+            "prompt": as_chat(r["prompt"], system_prompt),
+            "completion": [{"role": "assistant", "content": solution}],
+        }
+        if not all(trained for _, trained in parts):
+            row["parts"] = [[text, bool(trained)] for text, trained in parts]
+        rows.append(row)
     return rows
+
+
+def tokenized_rows(rows: list[dict[str, Any]], tokenizer: Any, **template: Any) -> list[dict[str, list[int]]]:
+    """Rows with `parts` as TRL's processed form: `input_ids` (the prompt through the chat template, then
+    each part tokenized on its own, as a multi-turn rollout puts model text and tool output together, then
+    the end-of-turn token) and `completion_mask` (1 on the model's text and the end of turn, 0 on the
+    prompt and the tool's output), so the loss never trains the model to write a tool's output."""
+    from otbrl.integrations.trl.rollout import prompt_ids
+
+    out = []
+    for r in rows:
+        ids = prompt_ids(tokenizer, r["prompt"], **template)
+        mask = [0] * len(ids)
+        for text, trained in r["parts"]:
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids += piece
+            mask += [int(trained)] * len(piece)
+        ids.append(tokenizer.eos_token_id)
+        mask.append(1)
+        out.append({"input_ids": ids, "completion_mask": mask})
+    return out
 
 
 def style_of(text: str) -> str:
@@ -108,7 +133,13 @@ def warm_start_chat(
         disable_tqdm=False,
     )
     started = time.perf_counter()
-    data = Dataset.from_list(rows)
+    tools = any("parts" in r for r in rows)
+    if tools:  # tool output inside: tokenized here, its tokens not trained
+        data = Dataset.from_list(
+            tokenized_rows(rows, tokenizer, **(recipe.get("chat_template_kwargs") or {}))
+        )
+    else:
+        data = Dataset.from_list(rows)
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
     trainer.train()
     seconds = time.perf_counter() - started
@@ -125,7 +156,13 @@ def warm_start_chat(
         "seed": seed,
         "rows": len(rows),
         "split": "train",  # every row from the task's training side: no held-out problem is seen
-        "styles": {s: Counter(style_of(r["completion"][0]["content"]) for r in rows)[s] for s in STYLES},
+        # the sum tasks' worked styles; a multi-turn task's demonstrations by their number of tool outputs
+        "styles": None
+        if tools
+        else {s: Counter(style_of(r["completion"][0]["content"]) for r in rows)[s] for s in STYLES},
+        "tool_outputs": dict(sorted(Counter(sum(not t for _, t in r["parts"]) for r in rows).items()))
+        if tools
+        else None,
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
         "losses": losses,

@@ -25,7 +25,7 @@ from otbrl.app.heldout_cache import before_key, cache_folder, cached_score
 from otbrl.app.metrics import read_metrics
 from otbrl.app.plots import plot_curves
 from otbrl.app.precision import resolve_bf16
-from otbrl.app.recipe import make_config, tool_settings
+from otbrl.app.recipe import episode_of, make_config, tool_settings
 from otbrl.app.sft import with_sft
 from otbrl.app.sources import (
     check_enough_rows,
@@ -38,6 +38,7 @@ from otbrl.app.sources import (
 from otbrl.integrations.trl import OTBGRPOTrainer, rollout_func, sampler_rollout_func
 from otbrl.integrations.trl.rewards import GuardedReward
 from otbrl.rollout import evaluate
+from otbrl.rollout.multiturn import Episode
 from otbrl.tasks import get_task
 
 
@@ -110,6 +111,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     ledger = PromptLedger(make_reward(recipe))  # inside the guard: the guard counts the failures
     reward = GuardedReward(ledger, max_failure_fraction=recipe["reward_max_failure_fraction"])
     tools, max_turns = tool_settings(recipe)
+    episode = episode_of(recipe)  # a task whose tools hold an environment's state: one box per completion
     recipe = with_sft(choose_model(recipe, log), log)  # a chat model's supervised warm start, if asked
     synthetic = str(recipe["model"]).partition(":")[0] in ("warm", "random")
     tokenizer = None if synthetic else load_tokenizer(recipe)
@@ -146,6 +148,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
                 samples=recipe["eval_samples"],
                 batch_size=recipe["eval_batch_size"],
                 compact=recipe["compact_decoding"],
+                episode=episode,
             )
 
     trainer = OTBGRPOTrainer(
@@ -154,7 +157,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
         args=config,
         train_dataset=Dataset.from_list(train_rows),
         processing_class=tokenizer,
-        **_rollouts(tools, max_turns, recipe["sampler"], recipe["compact_decoding"]),
+        **_rollouts(episode or tools, max_turns, recipe["sampler"], recipe["compact_decoding"]),
     )
     # After the trainer is built: it has put the model where training samples (the GPU, say), so the
     # step-0 score is sampled there, in training's precision, like the scores at the token budgets.
@@ -237,13 +240,16 @@ def written(out: Path) -> list[str]:
 
 
 def _rollouts(
-    tools: tuple[str, ...], max_turns: int, sampler: str, compact: bool = False
+    tools: tuple[str, ...] | Episode, max_turns: int, sampler: str, compact: bool = False
 ) -> dict[str, Callable]:
-    """OTBGRPOTrainer's `rollout_func` keyword: otbrl's sampler, with tools or one turn (`compact`: ended
-    rows leave the KV cache); none when TRL generates."""
+    """OTBGRPOTrainer's `rollout_func` keyword: otbrl's sampler, with tools (names, or an episode: each
+    completion's own toolbox) or one turn (`compact`: ended rows leave the KV cache); none when TRL
+    generates."""
     if not tools and sampler == "trl":
         return {}
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns that rollout_func is experimental
+    if callable(tools):
+        return {"rollout_func": rollout_func(tools, max_turns)}
     return {"rollout_func": rollout_func(list(tools), max_turns) if tools else sampler_rollout_func(compact)}
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from otbrl.rollout.multiturn import Tool, sample_texts
+from otbrl.rollout.multiturn import Episode, Tool, episode_seed, episode_toolboxes, sample_texts
 
 # score(prompts, completions, answers) -> one number per completion
 Scorer = Callable[[list[str], list[str], list[str]], Sequence[float]]
@@ -28,6 +28,7 @@ def evaluate(
     samples: int = 1,
     batch_size: int | None = None,
     compact: bool = False,
+    episode: Episode | None = None,
 ) -> float:
     """Mean of `score` over `samples` completions per row ({"prompt", "answer"}), sampled at
     `temperature` (reproducible given `seed`), with tool calls between turns when `tools` names any.
@@ -35,11 +36,16 @@ def evaluate(
     it). `batch_size`: decode at most this many completions at a time (None: all at once), which bounds
     the KV cache's memory; chunks continue one random stream, so a chunked evaluation is reproducible but
     draws other samples than an unchunked one. `compact`: single-turn decoding drops ended rows from its
-    KV cache (`decode`'s `compact`). Leaves the model in eval mode."""
+    KV cache (`decode`'s `compact`). `episode`: each completion meets its own episode of the environment
+    (completion i's toolbox is built from `episode_seed("heldout", seed, i)` and its prompt; `tools` is
+    then ignored), so a score is reproducible from `seed` and its samples meet different draws. Leaves
+    the model in eval mode."""
     if not rows:
         raise ValueError("rows: nothing to evaluate")
     if samples < 1:
         raise ValueError(f"samples: must be >= 1, got {samples}")
+    if episode is not None and max_turns < 1:
+        raise ValueError("max_turns: an episode's tools need at least one call, got 0")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size: must be >= 1 or None, got {batch_size}")
     model.eval()
@@ -47,16 +53,22 @@ def evaluate(
     rows = [r for r in rows for _ in range(samples)]  # each prompt's samples side by side
     prompts = [r["prompt"] for r in rows]
     size = batch_size or len(prompts)
-    chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+    starts = range(0, len(prompts), size)
+    chunks = [prompts[i : i + size] for i in starts]
+    boxes = None
+    if episode is not None:
+        seeds = [episode_seed("heldout", seed, i) for i in range(len(prompts))]
+        every = episode_toolboxes(episode, seeds, prompts)
+        boxes = [every[i : i + size] for i in starts]
     bar = None
-    if progress and not tools:  # multi-turn decoding has no fixed step count to show
+    if progress and not tools and episode is None:  # multi-turn decoding has no fixed step count to show
         from tqdm.auto import tqdm
 
         total = max_new_tokens * len(chunks)
         bar = tqdm(total=total, desc=f"held-out, {len(rows)} prompts", unit="step", leave=False)
     texts: list[str] = []
     try:
-        for chunk in chunks:
+        for c, chunk in enumerate(chunks):
             texts += sample_texts(
                 model,
                 tokenizer,
@@ -64,7 +76,7 @@ def evaluate(
                 max_new_tokens,
                 temperature,
                 gen,
-                tools,
+                tools if boxes is None else boxes[c],
                 max_turns,
                 on_step=None if bar is None else lambda: bar.update(1),
                 compact=compact,

@@ -8,10 +8,17 @@ never trained on, no energy, no advantage), and generation resumes, up to `max_t
 After `max_turns` calls, a further call is left as plain text: it does not pause and gets no output.
 Tool output is cut to fit the completion budget. A tool that raises returns its error as its output;
 the rollout never fails because of a tool.
+
+Tools are shared by every row (a mapping name -> callable), or each row has its own toolbox: an
+*episode* (`Episode`: (seed, prompt) -> toolbox) is an environment whose state lives in its tools (a deck
+of cards, a hidden number), built afresh for each completion from a seed (`episode_seed`) and the prompt
+it answers, so the samples of one prompt meet different draws of the environment and one seed gives the
+same draws on any machine.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +30,38 @@ from otbrl.rollout.sampler import STOP, SamplingSettings, decode, eos_token_ids,
 from otbrl.tools import calculator, run_python
 
 Tool = Callable[[str], str]
+Toolbox = Mapping[str, Tool]
+Episode = Callable[[int, str], Toolbox]  # (seed, prompt) -> the toolbox of one episode (its own state)
 OUTPUT_START, OUTPUT_END = ":", ";"  # around a tool's output in the context
+
+
+def episode_seed(*parts: object) -> int:
+    """A seed in [0, 2**63) from `parts` (run seed, step, row, ...): a keyed hash of their repr, the same
+    in every process and on every machine (unlike `hash`)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8, key=b"otbrl-episode").digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def toolboxes(tools: Toolbox | Sequence[Toolbox], rows: int) -> list[Toolbox]:
+    """One toolbox per row: a shared mapping repeated, or the rows' own (`rows` of them; a stateful tool
+    must not be shared between rows, which may call it at the same time)."""
+    if isinstance(tools, Mapping):
+        return [tools] * rows
+    boxes = list(tools)
+    if len(boxes) != rows:
+        raise ValueError(f"tools: one toolbox per row, got {len(boxes)} for {rows} rows")
+    return boxes
+
+
+def episode_toolboxes(episode: Episode, seeds: Sequence[int], prompts: Sequence[str]) -> list[Toolbox]:
+    """A fresh toolbox per (seed, prompt), each checked to be a non-empty mapping of callables."""
+    boxes = []
+    for s, p in zip(seeds, prompts, strict=True):
+        box = episode(s, p)
+        if not isinstance(box, Mapping) or not box or not all(callable(t) for t in box.values()):
+            raise ValueError(f"episode: must return a non-empty mapping name -> callable, got {box!r}")
+        boxes.append(box)
+    return boxes
 
 
 def default_tools() -> dict[str, Tool]:
@@ -69,17 +107,45 @@ def run_tool(tools: Mapping[str, Tool], name: str, arguments: str) -> str:
         return f"error: {type(err).__name__}: {err}"
 
 
-class _CallCloser:
-    """Stop condition for `decode`: a row pauses when a `)` brings its parenthesis depth back to 0."""
+DEPTH = 8  # parenthesis depth tracked exactly; deeper nesting counts as DEPTH (a call that deep is rare)
 
-    def __init__(self, open_id: int, close_id: int, active: torch.Tensor) -> None:
-        self.open_id, self.close_id, self.active = open_id, close_id, active
+
+def paren_table(vocab: Mapping[str, int], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token id and depth before it (0..DEPTH): the depth after its characters, and whether one of
+    its `)` brings the depth back to 0 (closes a call). A subword tokenizer has tokens such as `()` or
+    `):` that open and close in one piece; tokens without parentheses keep the depth."""
+    after = torch.arange(DEPTH + 1).repeat(size, 1)
+    closes = torch.zeros(size, DEPTH + 1, dtype=torch.bool)
+    for token, i in vocab.items():
+        if i >= size or ("(" not in token and ")" not in token):
+            continue
+        for start in range(DEPTH + 1):
+            depth, closed = start, False
+            for c in token:
+                if c == "(":
+                    depth = min(depth + 1, DEPTH)
+                elif c == ")" and depth > 0:
+                    depth -= 1
+                    closed |= depth == 0
+            after[i, start], closes[i, start] = depth, closed
+    return after, closes
+
+
+class _CallCloser:
+    """Stop condition for `decode`: a row pauses when a `)` (alone or inside a token) brings its
+    parenthesis depth back to 0."""
+
+    def __init__(self, table: tuple[torch.Tensor, torch.Tensor], active: torch.Tensor) -> None:
+        self.after, self.closes = (t.to(active.device) for t in table)
+        self.active = active
         self.depth = torch.zeros_like(active, dtype=torch.long)
 
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
-        closes = (tok == self.close_id) & (self.depth > 0)
-        self.depth = (self.depth + (tok == self.open_id).long() - closes.long()).clamp_min(0)
-        return closes & (self.depth == 0) & self.active
+        known = tok < self.after.shape[0]  # ids past the tokenizer's vocabulary hold no parenthesis
+        t = torch.where(known, tok, 0)
+        closes = self.closes[t, self.depth] & known
+        self.depth = torch.where(known, self.after[t, self.depth], self.depth)
+        return closes & self.active
 
 
 @dataclass
@@ -103,7 +169,7 @@ def sample_with_tools(
     model: Any,
     tokenizer: Any,
     prompt_ids: list[list[int]],
-    tools: Mapping[str, Tool],
+    tools: Toolbox | Sequence[Toolbox],
     max_new_tokens: int,
     max_turns: int = 3,
     temperature: float = 1.0,
@@ -114,10 +180,11 @@ def sample_with_tools(
     eos_ids: Sequence[int] | None = None,
     head_in_float32: bool = False,
 ) -> ToolRollouts:
-    """One completion per prompt (repeat prompts for groups), with tool calls executed between turns.
-    Every turn re-reads each unfinished row's whole context (prompt, its tokens, tool output) and samples
-    with a KV cache until an eos id (`eos_ids`, by default `eos_token_ids(model, tokenizer)`), a stop
-    string of `sampling`, the end of its token budget, or a closed tool call. Tokens are drawn with
+    """One completion per prompt (repeat prompts for groups), with tool calls executed between turns:
+    `tools` is one toolbox for every row or one per row (`toolboxes`). Every turn re-reads each unfinished
+    row's whole context (prompt, its tokens, tool output) and samples with a KV cache until an eos id
+    (`eos_ids`, by default `eos_token_ids(model, tokenizer)`), a stop string of `sampling`, the end of its
+    token budget, or a closed tool call. Tokens are drawn with
     `sampling`'s processors over the whole context, as `generate` would draw them from it."""
     if max_turns < 0:
         raise ValueError(f"max_turns: must be >= 0, got {max_turns}")
@@ -125,10 +192,13 @@ def sample_with_tools(
     missing = [c for c in "()" + OUTPUT_START + OUTPUT_END if c not in vocab]
     if missing:
         raise ValueError(f"tokenizer: needs single tokens for {missing}, the tool-call syntax")
+    size = max(max(vocab.values()) + 1, int(getattr(model.config, "vocab_size", 0) or 0))
+    parens = paren_table(vocab, size)
     pad_id = tokenizer.pad_token_id
     eos = list(eos_ids) if eos_ids is not None else eos_token_ids(model, tokenizer)
     device = model.device
     rows = len(prompt_ids)
+    boxes = toolboxes(tools, rows)
     completion: list[list[int]] = [[] for _ in range(rows)]
     mask: list[list[int]] = [[] for _ in range(rows)]
     logps: list[list[float]] = [[] for _ in range(rows)]
@@ -142,7 +212,7 @@ def sample_with_tools(
             attn = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
             budget = torch.tensor([max_new_tokens - len(completion[r]) for r in running], device=device)
             can_call = torch.tensor([calls[r] < max_turns for r in running], device=device)
-            stop = _CallCloser(vocab["("], vocab[")"], can_call)
+            stop = _CallCloser(parens, can_call)
             new, new_mask, new_logp, why, new_energy = decode(
                 model,
                 ids,
@@ -166,9 +236,12 @@ def sample_with_tools(
                 energy[r] += new_energy[j, :n].tolist()
                 if int(why[j]) == STOP:  # paused at a closed call: is it a tool call?
                     text = tokenizer.decode(completion[r], skip_special_tokens=True)
-                    call = find_call(text, tools)
+                    # a subword token may close the call and go on (`():`): the call is the text up to its
+                    # `)`, so the tool still answers it (else the model could write the output itself)
+                    call = find_call(text, boxes[r]) or find_call(text[: text.rfind(")") + 1], boxes[r])
                     pending.append((r, call))
-            results = pool.map(lambda rc: None if rc[1] is None else run_tool(tools, *rc[1]), pending)
+            # at most one call per row at a time: a row's own stateful tools need no lock
+            results = pool.map(lambda rc: None if rc[1] is None else run_tool(boxes[rc[0]], *rc[1]), pending)
             running = []
             for (r, call), output in zip(pending, results, strict=True):
                 room = max_new_tokens - len(completion[r])
@@ -193,17 +266,19 @@ def sample_texts(
     max_new_tokens: int,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
-    tools: list[str] | tuple[str, ...] | Mapping[str, Tool] = (),
+    tools: list[str] | tuple[str, ...] | Toolbox | Sequence[Toolbox] = (),
     max_turns: int = 0,
     on_step: Callable[[], None] | None = None,
     compact: bool = False,
 ) -> list[str]:
-    """One decoded completion per prompt: with tool calls between turns when `tools` names any (tool
-    output included in the text), else a plain single-turn sample (`on_step` after each of its decoding
-    steps; `compact`: ended rows leave the KV cache)."""
+    """One decoded completion per prompt: with tool calls between turns when `tools` names any, or gives
+    them (a mapping, or one per prompt: `toolboxes`), tool output included in the text; else a plain
+    single-turn sample (`on_step` after each of its decoding steps; `compact`: ended rows leave the KV
+    cache)."""
     if tools:
         ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        toolbox = resolve_tools(tools)
+        named = isinstance(tools, list | tuple) and all(isinstance(t, str) for t in tools)
+        toolbox = resolve_tools(tools) if named or isinstance(tools, Mapping) else tools
         return sample_with_tools(
             model, tokenizer, ids, toolbox, max_new_tokens, max_turns, temperature, generator=generator
         ).texts

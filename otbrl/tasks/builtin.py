@@ -25,7 +25,8 @@ class Task:
 
     A task that uses tools (`otbrl.rollout.multiturn`) names them in `tools` and gives `demonstrate(prompt,
     answer, rng) -> [(text, trained), ...]`: a supervised warm start's target, split into the model's
-    own text (trained) and tool output (not trained).
+    own text (trained) and tool output (not trained). A task whose tools hold an environment's state
+    gives `episode(seed, prompt) -> {name: tool}` instead: a fresh toolbox for each completion.
     """
 
     name: str
@@ -36,6 +37,7 @@ class Task:
     tools: tuple[str, ...] = ()
     max_turns: int = 0
     demonstrate: Callable[[str, str, random.Random], list[tuple[str, bool]]] | None = None
+    episode: Callable[[int, str], dict[str, Callable[[str], str]]] | None = None
     # The share of the prompt space held out from training (`otbrl.tasks.split`): `dataset(split=...)`.
     heldout_fraction: float = 0.25
     split_key: Callable[[str], str] | None = None  # the problem a prompt poses (default: the prompt)

@@ -23,6 +23,16 @@ from functools import cache
 
 from otbrl.tasks.builtin import Task
 from otbrl.tasks.chat import final_number_reward, problem_key
+from otbrl.tasks.chat_draws import (
+    MAX_TOKENS,
+    MOST_DRAWS,
+    demonstrate_draws,
+    draws_key,
+    draws_problems,
+    draws_reward,
+    episode,
+    make_draws,
+)
 from otbrl.tasks.worked import demonstrate_sum
 
 # ---------------------------------------------------------------------------------------------------------
@@ -488,6 +498,23 @@ PROBLEM_TASKS: dict[str, Task] = {
             make_pair_mixed,
             signed_key,
             signed_pair_problems,
+        ),
+        Task(
+            name="chat_draws",
+            description="draw numbers with a tool until one is large enough, keeping a running total "
+            "('Start with 12. Call draw() ... Stop after the first draw of 6 or more ...'): the environment "
+            "sets how many draws an answer takes; 1,080 problems",
+            max_completion_tokens=MAX_TOKENS,
+            make=make_draws,
+            reward=draws_reward,
+            tools=("draw",),
+            max_turns=MOST_DRAWS,
+            demonstrate=demonstrate_draws,
+            episode=episode,
+            heldout_fraction=0.3,
+            split_key=draws_key,
+            vocabulary="text",
+            problems=draws_problems,
         ),
         _task(
             "chat_pair_story",

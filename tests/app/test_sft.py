@@ -121,3 +121,38 @@ def test_a_recipe_with_sft_steps_starts_from_one_cached_warm_start(tmp_path, cha
         load_recipe("smollm2-addlist", {"sft_steps": -1})
     with pytest.raises(ValueError, match="chat: true"):
         load_recipe("smollm2-addlist", {"sft_steps": 2, "chat": False})
+
+
+def test_a_multi_turn_task_warm_starts_without_training_on_tool_output(tmp_path, chat_model) -> None:
+    """chat_draws' demonstrations hold the tool's output: the rows are tokenized part by part and the
+    completion mask is 0 on the prompt and on every tool output, 1 on the model's text and the end of turn."""
+    from transformers import PreTrainedTokenizerFast
+
+    from otbrl.app.sft import tokenized_rows
+    from otbrl.tasks.chat_draws import OUTPUT_END, OUTPUT_START
+
+    rows = sft_rows("chat_draws", 16, 0)
+    assert all("parts" in r for r in rows)  # every answer draws at least once
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(chat_model)
+    for row, out in zip(rows, tokenized_rows(rows, tokenizer), strict=True):
+        ids, mask = out["input_ids"], out["completion_mask"]
+        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert all(isinstance(i, int) for i in ids)
+        assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)])
+        assert ids[-1] == tokenizer.eos_token_id and mask[-1] == 1
+        pairs = list(zip(ids, mask, strict=True))[len(prompt) :]
+        untrained = tokenizer.decode([i for i, m in pairs if not m])
+        outputs = [t for t, trained in row["parts"] if not trained]
+        assert untrained == "".join(outputs)
+        assert all(o[0] == OUTPUT_START and o[-1] == OUTPUT_END for o in outputs)
+        trained = tokenizer.decode([i for i, m in pairs if m], skip_special_tokens=True)
+        model_text = "".join(t for t, ok in row["parts"] if ok)  # capitals are <unk> here: round-trip it
+        assert trained == tokenizer.decode(tokenizer.encode(model_text), skip_special_tokens=True)
+
+    recipe = {"model": str(chat_model), "task": "chat_draws", "max_completion_length": 192}
+    warm_start_chat(recipe, 6, tmp_path / "sft", learning_rate=3e-3, batch_size=8, log=lambda _: None)
+    summary = json.loads((tmp_path / "sft" / "sft-summary.json").read_text())
+    assert summary["styles"] is None and sum(summary["tool_outputs"].values()) == 48
+    assert min(int(k) for k in summary["tool_outputs"]) >= 1
+    assert summary["loss_last"] < summary["loss_first"]

@@ -404,3 +404,28 @@ def test_sampler_head_precision_follows_cast_lm_head_to_fp32(tmp_path, cast):
     trainer = make_trainer(args, model=model, n_prompts=8, rollout_func=rollout)
     trainer.train()
     assert dtypes and set(dtypes) == {torch.float32 if cast else torch.bfloat16}
+
+
+def test_tool_rollout_with_an_episode_gives_each_completion_its_own_seeded_toolbox(tmp_path):
+    """rollout_func(episode): one fresh toolbox per completion, built from the completion's prompt and a
+    seed of (run seed, step, rollout within the step, process, row): distinct within a step and the same
+    when the run is repeated."""
+    from otbrl.integrations.trl.rollout import prompt_text
+
+    def run(where) -> list[tuple[int, str]]:  # noqa: ANN001
+        built: list[tuple[int, str]] = []
+
+        def episode(seed: int, prompt: str) -> dict:
+            built.append((seed, prompt))
+            return {"calc": lambda arguments: "1"}
+
+        _, seen = _one_step(where, rollout_func(episode, max_turns=1, workers=1))
+        assert len(seen) == len(built)  # one toolbox per completion
+        return built
+
+    first = run(tmp_path / "a")
+    assert len({seed for seed, _ in first}) == len(first) == 16
+    assert all(isinstance(p, str) and p for _, p in first)
+    assert run(tmp_path / "b") == first
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Start with 3."}]
+    assert prompt_text(chat) == "Be brief.\n\nStart with 3." and prompt_text("1+1=") == "1+1="

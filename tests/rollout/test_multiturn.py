@@ -325,3 +325,136 @@ def test_tool_timeout_inside_a_rollout() -> None:
     mask, text = out.model_mask[0], out.texts[0]
     assert text.startswith("py(while 1: pass):") and text.endswith(";7")
     assert mask[: len("py(while 1: pass)")] == [1] * 17 and mask[17] == 0 and mask[-2:] == [1, 1]  # "7", eos
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-row toolboxes and episodes: an environment whose state lives in its tools
+
+
+class Counter:
+    """A stateful tool: each call returns the next number from `start`, and remembers its calls."""
+
+    def __init__(self, start: int) -> None:
+        self.n, self.seen = start, []
+
+    def __call__(self, arguments: str) -> str:
+        self.n += 1
+        self.seen.append(arguments)
+        return str(self.n)
+
+
+def twice_script(prompt: str, done: str) -> str | None:
+    """Calls `d()` twice, then writes the second output: each row's text shows its own tool's state."""
+    outputs = re.findall(r":([^;]*);", done)
+    target = "d()"
+    if outputs:
+        target += f":{outputs[0]};d()"
+    if len(outputs) >= 2:
+        target += f":{outputs[1]};{outputs[1]}"
+    return target[len(done)] if len(done) < len(target) else None
+
+
+def test_each_row_calls_its_own_toolbox():
+    boxes = [{"d": Counter(10 * i)} for i in range(3)]
+    out = rollout(["1*1*1="] * 3, boxes, script=twice_script)
+    assert out.texts == [f"d():{10 * i + 1};d():{10 * i + 2};{10 * i + 2}" for i in range(3)]
+    assert [b["d"].n for b in boxes] == [10 * i + 2 for i in range(3)] and out.calls == [2, 2, 2]
+    with pytest.raises(ValueError, match="one toolbox per row"):
+        rollout(["1*1*1="] * 3, boxes[:2], script=twice_script)
+
+
+def test_evaluation_gives_each_completion_its_own_seeded_episode():
+    from otbrl.rollout import evaluate
+    from otbrl.rollout.multiturn import episode_seed
+
+    built: list[tuple[int, str]] = []
+
+    def episode(seed: int, prompt: str) -> dict:
+        built.append((seed, prompt))
+        return {"d": Counter(seed % 1000)}
+
+    def run(seed: int) -> list[str]:
+        texts: list[str] = []
+
+        def score(prompts, completions, answers):  # noqa: ANN001, ANN202
+            texts.extend(completions)
+            return [1.0] * len(completions)
+
+        rows = [{"prompt": "1*1*1=", "answer": "x"}, {"prompt": "2*2*2=", "answer": "y"}]
+        model = ScriptedLM(twice_script)
+        evaluate(
+            model, TOK, rows, score, 64, 0.0, seed, max_turns=2, samples=2, batch_size=3, episode=episode
+        )
+        return texts
+
+    texts = run(5)
+    seeds = [episode_seed("heldout", 5, i) for i in range(4)]
+    assert built == list(zip(seeds, ["1*1*1=", "1*1*1=", "2*2*2=", "2*2*2="], strict=True))
+    assert texts == [f"d():{s % 1000 + 1};d():{s % 1000 + 2};{s % 1000 + 2}" for s in seeds]
+    assert len(set(texts)) == 4  # the two samples of a prompt met different episodes
+    assert run(5) == texts and run(6) != texts  # reproducible from the evaluation's seed
+    row = [{"prompt": "1*1*1=", "answer": "x"}]
+    with pytest.raises(ValueError, match="at least one call"):
+        evaluate(ScriptedLM(twice_script), TOK, row, None, 8, episode=episode)
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        evaluate(ScriptedLM(twice_script), TOK, row, None, 8, max_turns=1, episode=lambda s, p: {})
+
+
+def test_episode_seeds_are_stable_and_distinct():
+    from otbrl.rollout.multiturn import episode_seed
+
+    assert episode_seed("train", 0, 3, 0, 1, 7) == episode_seed("train", 0, 3, 0, 1, 7)
+    seeds = {episode_seed("train", 0, step, 0, 0, row) for step in range(20) for row in range(50)}
+    assert len(seeds) == 1000 and all(0 <= s < 2**63 for s in seeds)
+    # a fixed value: the same on every machine and Python (a keyed blake2b, not `hash`)
+    assert episode_seed("heldout", 0, 0) == episode_seed("heldout", 0, 0) != episode_seed("heldout", 0, 1)
+
+
+def test_calls_that_close_inside_a_subword_token_pause_the_row():
+    """Subword vocabularies spell `()` or `():` as one token: the row still pauses at the call's end."""
+    from otbrl.rollout.multiturn import DEPTH, _CallCloser, paren_table
+
+    vocab = {"(": 0, ")": 1, "()": 2, "():": 3, "x": 4, ")(": 5, "((": 6, "draw": 7}
+    after, closes = paren_table(vocab, 9)  # id 8: past the vocabulary, holds no parenthesis
+    assert after.shape == closes.shape == (9, DEPTH + 1)
+    assert (after[2, 0], bool(closes[2, 0])) == (0, True)  # `()` opens and closes
+    assert (after[3, 0], bool(closes[3, 0])) == (0, True)  # `():` too, with a character after it
+    assert (after[2, 1], bool(closes[2, 1])) == (1, False)  # inside another call it closes nothing
+    assert (after[1, 0], bool(closes[1, 0])) == (0, False)  # a `)` with nothing open
+    assert (after[5, 1], bool(closes[5, 1])) == (1, True)  # `)(`: closes, then opens again
+    assert (after[6, 0], after[6, DEPTH]) == (2, DEPTH)  # deeper than DEPTH counts as DEPTH
+    assert torch.equal(after[4], torch.arange(DEPTH + 1)) and not closes[4].any()
+    closer = _CallCloser((after, closes), torch.tensor([True, True, False]))
+    steps = [[7, 7, 7], [0, 2, 3], [1, 4, 4], [4, 8, 4]]  # draw ( ) / draw () / draw (): (not allowed)
+    paused = [closer(torch.tensor(s)).tolist() for s in steps]
+    assert paused == [[False] * 3, [False, True, False], [True, False, False], [False] * 3]
+
+
+def test_a_call_closed_inside_a_token_still_runs_its_tool():
+    """A tokenizer with a `():` token: the tool answers the call (its output after the colon), so the
+    model never writes the output itself."""
+    from tokenizers import AddedToken
+
+    tok = char_tokenizer()
+    tok.add_tokens([AddedToken("():", normalized=False)])
+    plan = {"": "d", "d": "():"}  # completion so far -> next token; after the tool's output: eos
+
+    class Model(ScriptedLM):
+        def forward(self, input_ids, attention_mask, past_key_values=None, **_):  # noqa: ANN001, ANN201
+            if attention_mask.shape[1] == input_ids.shape[1]:
+                self.ctx = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask, strict=True)]
+            else:
+                for row, t in zip(self.ctx, input_ids[:, 0].tolist(), strict=True):
+                    row.append(t)
+            logits = torch.zeros(len(self.ctx), 1, len(tok))
+            for i, row in enumerate(self.ctx):
+                done = tok.decode(row, skip_special_tokens=True).partition("=")[2]
+                logits[i, 0, tok.convert_tokens_to_ids(plan.get(done, tok.eos_token))] = LOGIT
+            return types.SimpleNamespace(logits=logits)
+
+    model = Model(None)
+    model.config.vocab_size = len(tok)
+    ids = tok(["1="], add_special_tokens=False)["input_ids"]
+    out = sample_with_tools(model, tok, ids, {"d": Counter(4)}, 16, 1, temperature=0.0)
+    assert out.calls == [1] and out.texts == ["d():" + ":5;"]
+    assert out.model_mask == [[1, 1, 0, 0, 0, 1]]  # d, ():, then the tool's :5; and the model's eos

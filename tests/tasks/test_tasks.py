@@ -112,8 +112,9 @@ def test_examples_match_the_documented_formats():
     assert len(dataset("running_sum48", 1)[0]["answer"]) + 1 >= 48
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", sorted(n for n in TASKS if TASKS[n].episode is None))
 def test_reward_is_exact_and_robust(name):
+    """The answer is itself a right completion (a task with an episode has a rule for its answer)."""
     task = TASKS[name]
     for row in dataset(name, 30, seed=2):
         answer = row["answer"]
@@ -125,6 +126,22 @@ def test_reward_is_exact_and_robust(name):
         assert task.reward(answer + "7", answer) == 0.0
         for junk in GARBAGE:
             assert task.reward(junk, answer) in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in TASKS if TASKS[n].episode is not None))
+def test_episode_task_rewards_are_robust(name):
+    """A demonstration is right, with whitespace or special tokens around it too; junk never raises."""
+    import random
+
+    task, rng = TASKS[name], random.Random(0)
+    for row in dataset(name, 30, seed=2):
+        text = "".join(t for t, _ in task.demonstrate(row["prompt"], row["answer"], rng))
+        assert task.reward(text, row["answer"]) == 1.0
+        assert task.reward(f" {text}\n", row["answer"]) == 1.0
+        assert task.reward(text + "<eos><pad><pad>", row["answer"]) == 1.0
+        assert task.reward(text + "7", row["answer"]) == 0.0
+        for junk in GARBAGE:
+            assert task.reward(junk, row["answer"]) in (0.0, 1.0)
 
 
 def test_running_sum_rewards_only_the_end():

@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from otbrl.rollout.multiturn import Tool, resolve_tools, sample_with_tools
+from otbrl.rollout.multiturn import (
+    Episode,
+    Tool,
+    episode_seed,
+    episode_toolboxes,
+    resolve_tools,
+    sample_with_tools,
+)
 from otbrl.rollout.sampler import SamplingSettings, decode, eos_token_ids
 
 ENERGY_FIELD = "otb_energy"  # per row, one energy per completion token (0 on tool output)
@@ -187,27 +194,44 @@ def _head_in_float32(trainer: Any) -> bool:
 
 
 def rollout_func(
-    tools: list[str] | tuple[str, ...] | Mapping[str, Tool] = ("calc",), max_turns: int = 3, workers: int = 4
+    tools: list[str] | tuple[str, ...] | Mapping[str, Tool] | Episode = ("calc",),
+    max_turns: int = 3,
+    workers: int = 4,
 ) -> Callable[[list, Any], dict[str, Any]]:
     """A TRL `rollout_func` that samples with tools: `OTBGRPOTrainer(..., rollout_func=rollout_func())`.
-    Prompts must be plain text. Reward functions receive `tool_calls` (calls executed per completion)."""
-    toolbox = resolve_tools(tools)
+    `tools`: names of `otbrl.rollout.default_tools`, a mapping name -> callable, or an episode (a callable
+    (seed, prompt text) -> toolbox, `otbrl.rollout.multiturn.Episode`): then every completion gets its
+    own toolbox, seeded by the run's seed, the step, the call within the step, the process and the row,
+    so the samples of one prompt meet different draws of the environment. Chat prompts (message lists) go
+    through the tokenizer's chat template. Reward functions receive `tool_calls` (calls executed per
+    completion)."""
+    episode = tools if callable(tools) and not isinstance(tools, Mapping) else None
+    toolbox = None if episode is not None else resolve_tools(tools)
+    calls = {"step": None, "n": 0}  # rollouts within one optimizer step: each gets its own episodes
 
     def rollout(prompts: list, trainer: Any) -> dict[str, Any]:
-        if any(not isinstance(p, str) for p in prompts):
-            raise ValueError("rollout_func: tool rollouts take plain-text prompts, not chat messages")
         tokenizer = trainer.processing_class
         model = trainer.accelerator.unwrap_model(trainer.model)
         settings = sampling_settings(trainer)
+        kwargs = dict(getattr(trainer.args, "chat_template_kwargs", None) or {})
+        ids = [prompt_ids(tokenizer, p, **kwargs) for p in prompts]
+        if episode is None:
+            boxes = toolbox
+        else:
+            step = trainer.state.global_step
+            calls["n"] = calls["n"] + 1 if calls["step"] == step else 0
+            calls["step"] = step
+            where = (trainer.args.seed, step, calls["n"], trainer.accelerator.process_index)
+            seeds = [episode_seed("train", *where, i) for i in range(len(ids))]
+            boxes = episode_toolboxes(episode, seeds, [prompt_text(p) for p in prompts])
         was_training = model.training
         model.eval()
         try:
-            ids = tokenizer(text=prompts, add_special_tokens=False)["input_ids"]
             out = sample_with_tools(
                 model,
                 tokenizer,
                 ids,
-                toolbox,
+                boxes,
                 trainer.max_completion_length,
                 max_turns,
                 trainer.temperature,
@@ -231,6 +255,22 @@ def rollout_func(
     return rollout
 
 
+def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, Any]], **template: Any) -> list[int]:
+    """A prompt's token ids: plain text as it is, chat messages through the tokenizer's chat template with
+    the generation prompt (transformers 5 returns a mapping there, 4.x a list)."""
+    if isinstance(prompt, str):
+        return list(tokenizer(text=prompt, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **template)
+    return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+
+def prompt_text(prompt: str | list[dict[str, Any]]) -> str:
+    """A prompt as text for an episode: itself, or its messages' contents joined by blank lines."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n\n".join(str(m.get("content", "")) for m in prompt)
+
+
 def sampler_rollout_func(compact: bool = False) -> Callable[[list, Any], dict[str, Any]]:
     """A single-turn TRL `rollout_func` through otbrl's KV-cache sampler (`otbrl.rollout.sampler.decode`):
     each token's energy comes from the logits it was sampled from (`otb_energy`), so OTB needs no extra
@@ -242,13 +282,7 @@ def sampler_rollout_func(compact: bool = False) -> Callable[[list, Any], dict[st
         model = trainer.accelerator.unwrap_model(trainer.model)
         settings = sampling_settings(trainer)
         kwargs = dict(getattr(trainer.args, "chat_template_kwargs", None) or {})
-        ids = [
-            tokenizer(text=p, add_special_tokens=False)["input_ids"]
-            if isinstance(p, str)
-            else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, **kwargs)
-            for p in prompts
-        ]
-        ids = [list(i["input_ids"]) if isinstance(i, Mapping) else list(i) for i in ids]
+        ids = [prompt_ids(tokenizer, p, **kwargs) for p in prompts]
         width = max(map(len, ids))
         pad = tokenizer.pad_token_id
         padded = torch.tensor([[pad] * (width - len(i)) + i for i in ids], device=model.device)
