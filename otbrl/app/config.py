@@ -66,8 +66,9 @@ class RecipeKeys:
             `rollout_func`: the energy comes from the sampling logits, no extra pass). Tool rollouts always
             use otbrl's.
         compact_decoding (`bool`, *optional*, defaults to `False`):
-            otbrl's sampler (single-turn training rollouts with `sampler: otbrl`, and the held-out
-            evaluation) drops the rows that have ended from its KV cache and its forward: each row keeps
+            otbrl's sampler (training rollouts with `sampler: otbrl` or tools, and the held-out
+            evaluation) drops the rows that have ended, or paused at a tool call, from its KV cache and
+            its forward: each row keeps
             its random draws, so the completions are the same up to the last bits of a smaller batch's
             logits (a token can then differ, rarely). About 2x faster when answers are much shorter than
             the longest (docs/results/compact-decode.md). Off by default: a registered experiment keeps

@@ -249,8 +249,10 @@ def _rollouts(
         return {}
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns that rollout_func is experimental
     if callable(tools):
-        return {"rollout_func": rollout_func(tools, max_turns)}
-    return {"rollout_func": rollout_func(list(tools), max_turns) if tools else sampler_rollout_func(compact)}
+        return {"rollout_func": rollout_func(tools, max_turns, compact=compact)}
+    if tools:
+        return {"rollout_func": rollout_func(list(tools), max_turns, compact=compact)}
+    return {"rollout_func": sampler_rollout_func(compact)}
 
 
 def summarise(

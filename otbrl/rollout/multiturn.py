@@ -179,13 +179,16 @@ def sample_with_tools(
     sampling: SamplingSettings | None = None,
     eos_ids: Sequence[int] | None = None,
     head_in_float32: bool = False,
+    compact: bool = False,
 ) -> ToolRollouts:
     """One completion per prompt (repeat prompts for groups), with tool calls executed between turns:
     `tools` is one toolbox for every row or one per row (`toolboxes`). Every turn re-reads each unfinished
     row's whole context (prompt, its tokens, tool output) and samples with a KV cache until an eos id
     (`eos_ids`, by default `eos_token_ids(model, tokenizer)`), a stop string of `sampling`, the end of its
     token budget, or a closed tool call. Tokens are drawn with
-    `sampling`'s processors over the whole context, as `generate` would draw them from it."""
+    `sampling`'s processors over the whole context, as `generate` would draw them from it. `compact`: within
+    a turn, rows that pause or end leave the KV cache (`decode`'s `compact`: the same tokens, faster when
+    rows pause at different steps)."""
     if max_turns < 0:
         raise ValueError(f"max_turns: must be >= 0, got {max_turns}")
     vocab = tokenizer.get_vocab()
@@ -226,6 +229,7 @@ def sample_with_tools(
                 sampling=sampling,
                 tokenizer=tokenizer,
                 head_in_float32=head_in_float32,
+                compact=compact,
             )
             pending = []
             for j, r in enumerate(running):
@@ -273,14 +277,14 @@ def sample_texts(
 ) -> list[str]:
     """One decoded completion per prompt: with tool calls between turns when `tools` names any, or gives
     them (a mapping, or one per prompt: `toolboxes`), tool output included in the text; else a plain
-    single-turn sample (`on_step` after each of its decoding steps; `compact`: ended rows leave the KV
-    cache)."""
+    single-turn sample (`on_step` after each of its decoding steps). `compact`: ended (and, with tools,
+    paused) rows leave the KV cache."""
     if tools:
         ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
         named = isinstance(tools, list | tuple) and all(isinstance(t, str) for t in tools)
         toolbox = resolve_tools(tools) if named or isinstance(tools, Mapping) else tools
         return sample_with_tools(
-            model, tokenizer, ids, toolbox, max_new_tokens, max_turns, temperature, generator=generator
+            model, tokenizer, ids, toolbox, max_new_tokens, max_turns, temperature, generator, compact=compact
         ).texts
     return sample(
         model,

@@ -213,10 +213,13 @@ def test_a_reward_function_that_fails_in_training_stops_the_run_with_its_text(
     assert first and first[0].startswith("otbrl: reward function flaky failed: RuntimeError: grader unavail")
 
 
-def test_compact_decoding_reaches_every_decode_of_a_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("task", [None, "tir_product3"])
+def test_compact_decoding_reaches_every_decode_of_a_run(tmp_path, monkeypatch, task):
     """`compact_decoding: true` with `sampler: otbrl` drops ended rows in the training rollouts and in
-    every held-out evaluation; left at its default, no decode compacts (registered numbers stay put)."""
+    every held-out evaluation, single-turn and with tools (paused rows too); left at its default, no
+    decode compacts (registered numbers stay put)."""
     import otbrl.integrations.trl.rollout as trl_rollout
+    import otbrl.rollout.multiturn as multiturn
     import otbrl.rollout.sampler as sampler
 
     real, seen = sampler.decode, []
@@ -227,9 +230,11 @@ def test_compact_decoding_reaches_every_decode_of_a_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sampler, "decode", spy)
     monkeypatch.setattr(trl_rollout, "decode", spy)
+    monkeypatch.setattr(multiturn, "decode", spy)
     for compact in (True, False):
         seen.clear()
         keys = {**FAST, "max_steps": 1, "sampler": "otbrl", "compact_decoding": compact}
+        keys |= {"task": task} if task else {}
         recipe = load_recipe("demo", {**keys, "output_dir": str(tmp_path / str(compact)), "plot": False})
         run(recipe, log=lambda *_: None)
         assert len(seen) >= 3  # the step-0 evaluation, a training rollout, the final evaluation

@@ -458,3 +458,16 @@ def test_a_call_closed_inside_a_token_still_runs_its_tool():
     out = sample_with_tools(model, tok, ids, {"d": Counter(4)}, 16, 1, temperature=0.0)
     assert out.calls == [1] and out.texts == ["d():" + ":5;"]
     assert out.model_mask == [[1, 1, 0, 0, 0, 1]]  # d, ():, then the tool's :5; and the model's eos
+
+
+def test_a_compact_multi_turn_rollout_writes_the_same_completions():
+    """Rows pause for their calls at different steps (tool outputs of different lengths): dropping the
+    paused and ended rows from the KV cache within each turn changes no token, mask or log-prob."""
+    prompts = [f"{a}*{b}*{c}=" for a, b, c in ((10, 100, 10), (99, 999, 99), (12, 345, 67), (1, 2, 3))]
+    ids = TOK(prompts, add_special_tokens=False)["input_ids"]
+    plain, compact = (
+        sample_with_tools(ScriptedLM(product_script), TOK, ids, {"calc": calc}, 64, 3, 0.0, compact=c)
+        for c in (False, True)
+    )
+    assert compact.completion_ids == plain.completion_ids and compact.model_mask == plain.model_mask
+    assert compact.logprobs == plain.logprobs and compact.calls == plain.calls == [2] * 4
