@@ -56,7 +56,9 @@ _TOP = re.compile(r"from 1 to (\d+)")
 _STOP = re.compile(r"(\d+) or more")
 # a call and its output: `draw():7;`, or `draw()::7;` when the model's token closing the call carried a
 # colon (the rollout still runs the tool there and appends its output)
-_DRAW = re.compile(rf"(?<![A-Za-z0-9_])draw\([^()]*\){OUTPUT_START}?{OUTPUT_START}(\d+){OUTPUT_END}")
+_DRAW = re.compile(
+    rf"(?<![A-Za-z0-9_])draw\([^()]*\){OUTPUT_START}?{OUTPUT_START}(\d+)(?: stop| more)?{OUTPUT_END}"
+)  # chat_draws_told's outputs say `7 stop` or `3 more`
 _ANSWER = re.compile(r"start (\d+), 1-(\d+), stop (\d+)")
 
 
@@ -104,21 +106,30 @@ def parse_answer(answer: str) -> tuple[int, int, int]:
 
 class Deck:
     """One episode's draws: uniform on 1..top from its own generator, except that the `MOST_DRAWS`-th
-    draw is uniform on stop..top (so every episode ends within the task's calls)."""
+    draw is uniform on stop..top (so every episode ends within the task's calls). `told`: each draw also
+    says whether it stops the episode (`"7 stop"`, `"3 more"`), so the model reads the rule's verdict
+    instead of comparing numbers itself (chat_draws_told)."""
 
-    def __init__(self, top: int, stop: int, seed: int) -> None:
-        self.top, self.stop, self.rng, self.drawn = top, stop, random.Random(seed), 0
+    def __init__(self, top: int, stop: int, seed: int, told: bool = False) -> None:
+        self.top, self.stop, self.rng, self.drawn, self.told = top, stop, random.Random(seed), 0, told
 
     def draw(self, arguments: str = "") -> str:
         self.drawn += 1
         low = self.stop if self.drawn >= MOST_DRAWS else 1
-        return str(self.rng.randint(low, self.top))
+        n = self.rng.randint(low, self.top)
+        return f"{n} {'stop' if n >= self.stop else 'more'}" if self.told else str(n)
 
 
 def episode(seed: int, prompt: str) -> dict[str, Callable[[str], str]]:
-    """`Task.episode`: the toolbox of one completion, `{"draw": ...}` with its own deck."""
+    """`Task.episode` of chat_draws: the toolbox of one completion, `{"draw": ...}` with its own deck."""
     _, top, stop = parse_prompt(prompt)
     return {"draw": Deck(top, stop, seed).draw}
+
+
+def episode_told(seed: int, prompt: str) -> dict[str, Callable[[str], str]]:
+    """`Task.episode` of chat_draws_told: as `episode`, each draw saying whether it stops."""
+    _, top, stop = parse_prompt(prompt)
+    return {"draw": Deck(top, stop, seed, told=True).draw}
 
 
 def draws_reward(completion: str, answer: str) -> float:
@@ -131,18 +142,21 @@ def draws_reward(completion: str, answer: str) -> float:
     return final_number_reward(completion.rpartition(OUTPUT_END)[2], str(start + sum(draws)))
 
 
-def demonstrate_draws(prompt: str, answer: str, rng: random.Random) -> list[tuple[str, bool]]:
-    """`Task.demonstrate`: a right answer against a deck drawn from `rng`, split into the model's text
-    (trained) and the tool's output (not trained), as a rollout would produce it."""
+def demonstrate_draws(
+    prompt: str, answer: str, rng: random.Random, told: bool = False
+) -> list[tuple[str, bool]]:
+    """`Task.demonstrate`: a right answer against a deck drawn from `rng` (`told`: chat_draws_told's),
+    split into the model's text (trained) and the tool's output (not trained), as a rollout would give it."""
     start, top, stop = parse_answer(answer)
     if parse_prompt(prompt) != (start, top, stop):
         raise ValueError(f"answer {answer!r} does not belong to prompt {prompt!r}")
-    deck = Deck(top, stop, rng.getrandbits(63))
+    deck = Deck(top, stop, rng.getrandbits(63), told)
     parts: list[tuple[str, bool]] = []
     total, lead = start, ""
     while True:
-        n = int(deck.draw())
-        parts += [(lead + CALL, True), (OUTPUT_START + str(n) + OUTPUT_END, False)]
+        out = deck.draw()
+        n = int(out.split()[0])
+        parts += [(lead + CALL, True), (OUTPUT_START + out + OUTPUT_END, False)]
         lead = f" {total} + {n} = {total + n}."
         total += n
         if n >= stop:
@@ -150,3 +164,8 @@ def demonstrate_draws(prompt: str, answer: str, rng: random.Random) -> list[tupl
         lead += " "
     parts.append((lead + f" The total is {total}.", True))
     return parts
+
+
+def demonstrate_draws_told(prompt: str, answer: str, rng: random.Random) -> list[tuple[str, bool]]:
+    """`Task.demonstrate` of chat_draws_told."""
+    return demonstrate_draws(prompt, answer, rng, told=True)

@@ -123,3 +123,24 @@ def test_demonstrations_are_right_answers_with_their_tool_output_untrained():
 def test_the_task_is_multi_turn_with_its_episode():
     assert TASK.tools == ("draw",) and TASK.max_turns == MOST_DRAWS and TASK.episode is episode
     assert TASK.vocabulary == "text" and TASK.max_completion_tokens >= 15 * MOST_DRAWS
+
+
+def test_the_told_variant_says_stop_or_more_and_is_scored_alike():
+    from otbrl.tasks.chat_draws import episode_told
+
+    told = get_task("chat_draws_told")
+    assert told.episode is episode_told and told.problems() == TASK.problems()
+    for seed in range(100):
+        deck, plain = Deck(8, 6, seed, told=True), Deck(8, 6, seed)
+        for _ in range(MOST_DRAWS):
+            out, n = deck.draw(), int(plain.draw())
+            assert out == f"{n} {'stop' if n >= 6 else 'more'}"  # the same numbers, with the verdict
+    right = "draw():3 more; 12 + 3 = 15. draw():7 stop; 15 + 7 = 22. The total is 22."
+    assert draws_reward(right, ANSWER) == 1
+    assert draws_reward("draw():3 more; 12 + 3 = 15. The total is 15.", ANSWER) == 0
+    rng = random.Random(1)
+    for r in dataset("chat_draws_told", 50, seed=2, split="train"):
+        parts = told.demonstrate(r["prompt"], r["answer"], rng)
+        outputs = [t for t, trained in parts if not trained]
+        assert outputs[-1].endswith(" stop;") and all(o.endswith(" more;") for o in outputs[:-1])
+        assert draws_reward("".join(t for t, _ in parts), r["answer"]) == 1.0
