@@ -41,6 +41,7 @@ RL steps. No fallback stage: if none qualifies, the page says so and names what 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -60,18 +61,32 @@ from otbrl.tasks import get_task
 from studies.llm_pilot2 import distinct_problems, group_cv, space
 from studies.pages import RESULTS, machine, markdown_table, write_result
 
-TASK, RECIPE = "chat_draws", "smollm2-draws"
-CANDIDATES = (32, 96)  # warm-start steps
+RECIPE = "smollm2-draws"
 LEARNING_RATE, BATCH, SEED = 2e-5, 8, 0  # the warm start's
 PROBLEMS, GROUP, TEMPERATURE, CHUNK = 64, 4, 1.0, 16  # the probe: held-out problems x samples, 16 a batch
 RL = {"learning_rate": 1e-5, "max_steps": 16, "seed": 0}
 RULE = {"problems": 1000, "heldout": 250, "accuracy": (0.15, 0.50), "cv": 0.30, "capped": 0.30, "rl_cv": 0.30}
-SCRATCH = Path("runs/llm-pilot6")
 
 
-def warm(steps: int, where: Path) -> tuple[Any, Any, dict[str, Any], Path]:
+@dataclasses.dataclass(frozen=True)
+class Pilot:
+    """One round of this design: its number, task and candidate warm-start lengths (pilot 7 reuses it)."""
+
+    number: int
+    task: str
+    candidates: tuple[int, ...]
+    title: str
+
+    def scratch(self, quick: bool) -> Path:
+        return Path(f"runs/llm-pilot{self.number}" + ("-quick" if quick else ""))
+
+
+PILOT6 = Pilot(6, "chat_draws", (32, 96), "a task whose lengths the environment sets")
+
+
+def warm(task: str, steps: int, where: Path) -> tuple[Any, Any, dict[str, Any], Path]:
     """The candidate's warm start (built once in `where`), loaded; its summary and folder."""
-    recipe = choose_model(load_recipe(RECIPE, {}), print)
+    recipe = choose_model(load_recipe(RECIPE, {"task": task}), print)
     final = where / "final"
     if not (where / "sft-summary.json").is_file():  # written last: a killed build has none
         warm_start_chat(recipe, steps, where, learning_rate=LEARNING_RATE, batch_size=BATCH, seed=SEED)
@@ -81,21 +96,21 @@ def warm(steps: int, where: Path) -> tuple[Any, Any, dict[str, Any], Path]:
     return model.eval(), tokenizer, {**summary, "weights": digest}, final
 
 
-def probe(model: Any, tokenizer: Any, problems: int) -> dict[str, Any]:
+def probe(pilot: Pilot, model: Any, tokenizer: Any, problems: int) -> dict[str, Any]:
     """GROUP samples of `problems` distinct held-out problems, each sample with its own seeded deck."""
     from otbrl.integrations.trl.rollout import prompt_ids
     from otbrl.rollout.multiturn import episode_seed, episode_toolboxes, sample_with_tools
 
-    task = get_task(TASK)
+    task = get_task(pilot.task)
     cap = task.max_completion_tokens
-    rows = distinct_problems(TASK, problems, SEED, heldout=True)
+    rows = distinct_problems(pilot.task, problems, SEED, heldout=True)
     gen = torch.Generator().manual_seed(SEED)
     samples: list[dict[str, Any]] = []
     start = time.perf_counter()
     for b in range(0, len(rows), CHUNK):
         batch = [r for r in rows[b : b + CHUNK] for _ in range(GROUP)]
         ids = [prompt_ids(tokenizer, as_chat(p, None)) for p, _, _ in batch]
-        seeds = [episode_seed("pilot6", SEED, b + i) for i in range(len(batch))]
+        seeds = [episode_seed(f"pilot{pilot.number}", SEED, b + i) for i in range(len(batch))]
         boxes = episode_toolboxes(task.episode, seeds, [p for p, _, _ in batch])
         out = sample_with_tools(model, tokenizer, ids, boxes, cap, task.max_turns, TEMPERATURE, generator=gen)
         for i, text in enumerate(out.texts):
@@ -127,12 +142,13 @@ def probe(model: Any, tokenizer: Any, problems: int) -> dict[str, Any]:
     }
 
 
-def train(final: Path, out: Path, steps: int) -> dict[str, Any]:
+def train(task: str, final: Path, out: Path, steps: int) -> dict[str, Any]:
     """RL from the warm start (`otbrl train --config smollm2-draws`); its per-step metrics."""
     from otbrl.app.train import run
 
     overrides = {
         **RL,
+        "task": task,
         "max_steps": steps,
         "model": str(final),
         "model_fallback": None,
@@ -156,19 +172,18 @@ def train(final: Path, out: Path, steps: int) -> dict[str, Any]:
     }
 
 
-def measure(steps: int, quick: bool) -> Path:
+def measure(pilot: Pilot, steps: int, quick: bool) -> Path:
     """One candidate, both stages; its result JSON in the scratch folder."""
     torch.set_num_threads(1)
-    where = SCRATCH.with_name(SCRATCH.name + "-quick") if quick else SCRATCH
-    folder = where / f"sft{steps}"
-    model, tokenizer, about, final = warm(1 if quick else steps, folder / "warm")
-    total, heldout = space(TASK)
+    folder = pilot.scratch(quick) / f"sft{steps}"
+    model, tokenizer, about, final = warm(pilot.task, 1 if quick else steps, folder / "warm")
+    total, heldout = space(pilot.task)
     result = {"steps": steps, "problems": total, "heldout": heldout, "warm_start": about}
-    result["probe"] = probe(model, tokenizer, 4 if quick else PROBLEMS)
+    result["probe"] = probe(pilot, model, tokenizer, 4 if quick else PROBLEMS)
     p = result["probe"]
     print(f"sft {steps}: accuracy {p['accuracy']:.3f} ± {p['accuracy_se']:.3f}, CV {p['cv']:.3f}", flush=True)
     del model
-    result["rl"] = train(final, folder / "rl", 1 if quick else RL["max_steps"])
+    result["rl"] = train(pilot.task, final, folder / "rl", 1 if quick else RL["max_steps"])
     result["machine"] = machine(1)
     path = folder / "result.json"
     path.write_text(json.dumps(result))
@@ -198,9 +213,9 @@ def failures(result: dict[str, Any]) -> list[str]:
     return [why for ok, why in checks if not ok]
 
 
-def page(out: Path, quick: bool) -> None:
-    where = SCRATCH.with_name(SCRATCH.name + "-quick") if quick else SCRATCH
-    results = {s: json.loads((where / f"sft{s}" / "result.json").read_text()) for s in CANDIDATES}
+def page(pilot: Pilot, out: Path, quick: bool) -> None:
+    where = pilot.scratch(quick)
+    results = {s: json.loads((where / f"sft{s}" / "result.json").read_text()) for s in pilot.candidates}
     qualified = [s for s, r in results.items() if not failures(r)]
     chosen = max(qualified, key=lambda s: rl_cv(results[s])[1]) if qualified else None
     rows = []
@@ -209,7 +224,7 @@ def page(out: Path, quick: bool) -> None:
         rl = r["rl"]["steps"]
         rows.append(
             [
-                f"{TASK} + sft {s}",
+                f"{pilot.task} + sft {s}",
                 f"{r['problems']:,} / {r['heldout']:,}",
                 f"{p['accuracy']:.3f} ± {p['accuracy_se']:.3f}",
                 f"{p['spread']:.2f}",
@@ -280,15 +295,15 @@ def page(out: Path, quick: bool) -> None:
         "lengths, averaged over groups (the probe) or the trainer's per-step value averaged over steps (RL)."
     )
     verdict = (
-        f"Picked by the rule: **{TASK} + sft {chosen}**."
+        f"Picked by the rule: **{pilot.task} + sft {chosen}**."
         if chosen
         else "No candidate qualified: no task is picked by this pilot."
     )
     verdict += "\n\nPer RL step:\n\n" + per_step
     write_result(
         out,
-        "Real-model task pilot 6 (issue 34): a task whose lengths the environment sets",
-        "-m studies.llm_pilot6 --page",
+        f"Real-model task pilot {pilot.number} (issue 34): {pilot.title}",
+        f"-m studies.llm_pilot{pilot.number} --page",
         quick,
         1,
         description,
@@ -301,22 +316,23 @@ def page(out: Path, quick: bool) -> None:
     print(f"wrote {blob}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Real-model task pilot 6 of issue 34")
-    parser.add_argument("--candidate", type=int, choices=CANDIDATES, help="measure one candidate")
+def main(pilot: Pilot = PILOT6) -> None:
+    parser = argparse.ArgumentParser(description=f"Real-model task pilot {pilot.number} of issue 34")
+    parser.add_argument("--candidate", type=int, choices=pilot.candidates, help="measure one candidate")
     parser.add_argument("--page", action="store_true", help="write the page from both candidates' results")
     parser.add_argument("--quick", action="store_true", help="1 sft step, 4 problems, 1 RL step; temp page")
     parser.add_argument("--out", type=Path, help="markdown output path")
     args = parser.parse_args()
-    out = args.out or (Path(tempfile.gettempdir()) if args.quick else RESULTS) / "llm-pilot6.md"
+    name = f"llm-pilot{pilot.number}.md"
+    out = args.out or (Path(tempfile.gettempdir()) if args.quick else RESULTS) / name
     if args.candidate is not None:
-        measure(args.candidate, args.quick)
+        measure(pilot, args.candidate, args.quick)
     elif args.quick and not args.page:
-        for s in CANDIDATES:
-            measure(s, True)
-        page(out, True)
+        for s in pilot.candidates:
+            measure(pilot, s, True)
+        page(pilot, out, True)
     elif args.page:
-        page(out, args.quick)
+        page(pilot, out, args.quick)
     else:
         parser.error("give --candidate N (then --page), or --quick")
 
