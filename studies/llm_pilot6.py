@@ -76,6 +76,8 @@ class Pilot:
     task: str
     candidates: tuple[int, ...]
     title: str
+    # candidates not run, with the reason, decided after the pilot started (the page says so)
+    skipped: tuple[tuple[int, str], ...] = ()
 
     def scratch(self, quick: bool) -> Path:
         return Path(f"runs/llm-pilot{self.number}" + ("-quick" if quick else ""))
@@ -215,7 +217,10 @@ def failures(result: dict[str, Any]) -> list[str]:
 
 def page(pilot: Pilot, out: Path, quick: bool) -> None:
     where = pilot.scratch(quick)
-    results = {s: json.loads((where / f"sft{s}" / "result.json").read_text()) for s in pilot.candidates}
+    skipped = dict(pilot.skipped)
+    results = {
+        s: json.loads((where / f"sft{s}" / "result.json").read_text()) for s in pilot.candidates if s not in skipped
+    }
     qualified = [s for s, r in results.items() if not failures(r)]
     chosen = max(qualified, key=lambda s: rl_cv(results[s])[1]) if qualified else None
     rows = []
@@ -299,6 +304,11 @@ def page(pilot: Pilot, out: Path, quick: bool) -> None:
         if chosen
         else "No candidate qualified: no task is picked by this pilot."
     )
+    for s, why in skipped.items():
+        verdict += (
+            f"\n\n**Not run: {pilot.task} + sft {s}**, a change to this pilot made after its other "
+            f"candidate's result was seen: {why}"
+        )
     verdict += "\n\nPer RL step:\n\n" + per_step
     write_result(
         out,
