@@ -218,9 +218,8 @@ def failures(result: dict[str, Any]) -> list[str]:
 def page(pilot: Pilot, out: Path, quick: bool) -> None:
     where = pilot.scratch(quick)
     skipped = dict(pilot.skipped)
-    results = {
-        s: json.loads((where / f"sft{s}" / "result.json").read_text()) for s in pilot.candidates if s not in skipped
-    }
+    run = [s for s in pilot.candidates if s not in skipped]
+    results = {s: json.loads((where / f"sft{s}" / "result.json").read_text()) for s in run}
     qualified = [s for s, r in results.items() if not failures(r)]
     chosen = max(qualified, key=lambda s: rl_cv(results[s])[1]) if qualified else None
     rows = []
