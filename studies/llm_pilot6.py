@@ -78,12 +78,21 @@ class Pilot:
     title: str
     # candidates not run, with the reason, decided after the pilot started (the page says so)
     skipped: tuple[tuple[int, str], ...] = ()
+    notes: str = ""  # what happened while it ran (a crash and its rerun, say), for the page
 
     def scratch(self, quick: bool) -> Path:
         return Path(f"runs/llm-pilot{self.number}" + ("-quick" if quick else ""))
 
 
-PILOT6 = Pilot(6, "chat_draws", (32, 96), "a task whose lengths the environment sets")
+PILOT6 = Pilot(
+    6,
+    "chat_draws",
+    (32, 96),
+    "a task whose lengths the environment sets",
+    notes="The 96-step candidate's first run was killed by the kernel's out-of-memory killer after its 15th "
+    "RL step (four SmolLM2 processes at once in 24 GiB); it ran again from its saved warm start, with the "
+    "same probe and RL seeds, two processes at a time.",
+)
 
 
 def warm(task: str, steps: int, where: Path) -> tuple[Any, Any, dict[str, Any], Path]:
@@ -292,7 +301,8 @@ def page(pilot: Pilot, out: Path, quick: bool) -> None:
         + ", ".join(f"sft {s} {r['probe']['seconds']:.0f} s" for s, r in results.items())
         + "; RL (16 steps, including loading and a 16-prompt final evaluation): "
         + ", ".join(f"sft {s} {r['rl']['seconds']:.0f} s" for s, r in results.items())
-        + ". The two candidates ran side by side, one thread each, float32.\n\n"
+        + ". Each candidate ran on one thread, float32, beside other jobs on this 2-core machine (wall times "
+        "are not comparable between candidates)." + (f" {pilot.notes}" if pilot.notes else "") + "\n\n"
         f"CPU capability: {why}; avx512_bf16 {'yes' if 'avx512_bf16' in flags else 'no'}, amx_bf16 "
         f"{'yes' if 'amx_bf16' in flags else 'no'}.\n\nReading: 'draws' = tool calls per completion; lengths "
         "count the model's own tokens (tool output excluded); CV = population SD / mean of a group's 4 "

@@ -521,7 +521,8 @@ PROBLEM_TASKS: dict[str, Task] = {
         Task(
             name="chat_draws_told",
             description="chat_draws with each draw saying whether it stops ('draw():7 stop;', 'draw():3 "
-            "more;'): the model reads the rule's verdict instead of comparing numbers; 1,080 problems",
+            "more;'): the model reads the rule's verdict instead of comparing numbers; 1,080 problems "
+            "(its own hash split: 323 held out)",
             max_completion_tokens=MAX_TOKENS,
             make=make_draws,
             reward=draws_reward,
