@@ -10,7 +10,8 @@ start; this one also measures it while RL trains, which is where the floor appli
 The candidate task, chat_draws (otbrl.tasks.chat_draws), is multi-turn: the model calls draw() until a
 draw is large enough, keeping a running total, and each completion meets its own deck (the task's
 episode). How many draws an answer takes is the environment's, so no policy can make the answers to one
-prompt alike. 1,080 problems, 313 held out by the problem (never in any warm start or RL draw).
+prompt alike. 1,080 problems, 317 held out by the problem (never in any warm start or RL draw). (This
+said 313 when it was committed: a count from before the rules were final; the page counts them.)
 
 Candidates, fixed before this pilot ran: chat_draws after a supervised warm start (`otbrl sft`:
 demonstrations of the training side only, tool output not trained, learning rate 2e-5 constant, 8 a

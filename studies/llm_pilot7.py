@@ -11,7 +11,7 @@ many draws an answer took was again its own choice, not the environment's. chat_
 (otbrl.tasks.chat_draws) returns the rule's verdict with each draw (`draw():7 stop;`, `draw():3
 more;`): the same problems, reward and decks, and the comparison is no longer the model's to make.
 (Corrected after the run: the split is its own, salted by the task's name as every task's is: 323 of the
-1,080 problems held out, where chat_draws holds out 313. This docstring first said "the same split".)
+1,080 problems held out, where chat_draws holds out 317. This docstring first said "the same split".)
 
 Design, rule and pick: pilot 6's, unchanged (its docstring), with the task chat_draws_told and warm
 starts of 32 or 64 steps (64 instead of 96: pilot 6's 96-step warm start took about 25 minutes here).
