@@ -18,7 +18,15 @@ from __future__ import annotations
 
 from studies.llm_pilot6 import Pilot, main
 
-PILOT9 = Pilot(9, "chat_draws_told", (10, 12), "between pilot 8's warm starts")
+PILOT9 = Pilot(
+    9,
+    "chat_draws_told",
+    (10, 12),
+    "between pilot 8's warm starts",
+    notes="The 12-step candidate's first run was killed by the kernel's out-of-memory killer at its second "
+    "RL step (three processes at once, one of them the test suite; this one at 13 GB); it ran again from "
+    "its saved warm start with the same seeds.",
+)
 
 if __name__ == "__main__":
     main(PILOT9)
