@@ -431,6 +431,25 @@ def _task(
     )
 
 
+def _draws_task(name: str, description: str, demonstrate: Callable, episode: Callable) -> Task:
+    """A multi-turn draws task (`otbrl.tasks.chat_draws`): its tool holds each completion's own deck."""
+    return Task(
+        name=name,
+        description=description,
+        max_completion_tokens=MAX_TOKENS,
+        make=make_draws,
+        reward=draws_reward,
+        tools=("draw",),
+        max_turns=MOST_DRAWS,
+        demonstrate=demonstrate,
+        episode=episode,
+        heldout_fraction=0.3,
+        split_key=draws_key,
+        vocabulary="text",
+        problems=draws_problems,
+    )
+
+
 PROBLEM_TASKS: dict[str, Task] = {
     t.name: t
     for t in (
@@ -501,39 +520,21 @@ PROBLEM_TASKS: dict[str, Task] = {
             signed_key,
             signed_pair_problems,
         ),
-        Task(
-            name="chat_draws",
-            description="draw numbers with a tool until one is large enough, keeping a running total "
+        _draws_task(
+            "chat_draws",
+            "draw numbers with a tool until one is large enough, keeping a running total "
             "('Start with 12. Call draw() ... Stop after the first draw of 6 or more ...'): the environment "
             "sets how many draws an answer takes; 1,080 problems",
-            max_completion_tokens=MAX_TOKENS,
-            make=make_draws,
-            reward=draws_reward,
-            tools=("draw",),
-            max_turns=MOST_DRAWS,
-            demonstrate=demonstrate_draws,
-            episode=episode,
-            heldout_fraction=0.3,
-            split_key=draws_key,
-            vocabulary="text",
-            problems=draws_problems,
+            demonstrate_draws,
+            episode,
         ),
-        Task(
-            name="chat_draws_told",
-            description="chat_draws with each draw saying whether it stops ('draw():7 stop;', 'draw():3 "
+        _draws_task(
+            "chat_draws_told",
+            "chat_draws with each draw saying whether it stops ('draw():7 stop;', 'draw():3 "
             "more;'): the model reads the rule's verdict instead of comparing numbers; 1,080 problems "
             "(its own hash split: 323 held out)",
-            max_completion_tokens=MAX_TOKENS,
-            make=make_draws,
-            reward=draws_reward,
-            tools=("draw",),
-            max_turns=MOST_DRAWS,
-            demonstrate=demonstrate_draws_told,
-            episode=episode_told,
-            heldout_fraction=0.3,
-            split_key=draws_key,
-            vocabulary="text",
-            problems=draws_problems,
+            demonstrate_draws_told,
+            episode_told,
         ),
         _task(
             "chat_pair_story",
