@@ -73,6 +73,12 @@ class RecipeKeys:
             logits (a token can then differ, rarely). About 2x faster when answers are much shorter than
             the longest (docs/results/compact-decode.md). Off by default: a registered experiment keeps
             the value it was registered with.
+        turn_cache (`bool`, *optional*, defaults to `False`):
+            Multi-turn rollouts (tools) keep each row's KV cache from one turn to the next, so a turn reads
+            only the row's last token and the tool's output instead of its whole context again (in the
+            training rollouts and the held-out evaluation). The logits are those of reading the context
+            afresh up to float rounding, so a token can differ, rarely. Off by default: a registered
+            experiment keeps the value it was registered with (docs/results/turn-cache.md).
         tools (`list[str]` or `None`, *optional*, defaults to `None`):
             Tool names for multi-turn rollouts (`otbrl.rollout`). `None`: the task's tools.
         max_turns (`int` or `None`, *optional*, defaults to `None`):
@@ -165,6 +171,7 @@ class RecipeKeys:
     model_fallback: str | None = None
     sampler: str = "trl"
     compact_decoding: bool = False
+    turn_cache: bool = False
     reward: str = "task"
     reward_max_failure_fraction: float = 0.5
     train_size: int = 4096

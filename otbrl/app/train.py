@@ -149,6 +149,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
                 batch_size=recipe["eval_batch_size"],
                 compact=recipe["compact_decoding"],
                 episode=episode,
+                turn_cache=recipe["turn_cache"],
             )
 
     trainer = OTBGRPOTrainer(
@@ -157,7 +158,9 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
         args=config,
         train_dataset=Dataset.from_list(train_rows),
         processing_class=tokenizer,
-        **_rollouts(episode or tools, max_turns, recipe["sampler"], recipe["compact_decoding"]),
+        **_rollouts(
+            episode or tools, max_turns, recipe["sampler"], recipe["compact_decoding"], recipe["turn_cache"]
+        ),
     )
     # After the trainer is built: it has put the model where training samples (the GPU, say), so the
     # step-0 score is sampled there, in training's precision, like the scores at the token budgets.
@@ -177,6 +180,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
             **({"samples": recipe["eval_samples"]} if recipe["eval_samples"] > 1 else {}),
             **({"batch_size": recipe["eval_batch_size"]} if recipe["eval_batch_size"] else {}),
             **({"compact": True} if recipe["compact_decoding"] else {}),
+            **({"turn_cache": True} if recipe["turn_cache"] and max_turns > 0 else {}),
         }
         log(f"held-out evaluation before training: {len(eval_rows)} prompts x {recipe['eval_samples']} each")
         folder = cache_folder()
@@ -240,18 +244,22 @@ def written(out: Path) -> list[str]:
 
 
 def _rollouts(
-    tools: tuple[str, ...] | Episode, max_turns: int, sampler: str, compact: bool = False
+    tools: tuple[str, ...] | Episode,
+    max_turns: int,
+    sampler: str,
+    compact: bool = False,
+    turn_cache: bool = False,
 ) -> dict[str, Callable]:
     """OTBGRPOTrainer's `rollout_func` keyword: otbrl's sampler, with tools (names, or an episode: each
-    completion's own toolbox) or one turn (`compact`: ended rows leave the KV cache); none when TRL
-    generates."""
+    completion's own toolbox; `turn_cache`: each row's KV cache lives from turn to turn) or one turn
+    (`compact`: ended rows leave the KV cache); none when TRL generates."""
     if not tools and sampler == "trl":
         return {}
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns that rollout_func is experimental
     if callable(tools):
-        return {"rollout_func": rollout_func(tools, max_turns, compact=compact)}
+        return {"rollout_func": rollout_func(tools, max_turns, compact=compact, turn_cache=turn_cache)}
     if tools:
-        return {"rollout_func": rollout_func(list(tools), max_turns, compact=compact)}
+        return {"rollout_func": rollout_func(list(tools), max_turns, compact=compact, turn_cache=turn_cache)}
     return {"rollout_func": sampler_rollout_func(compact)}
 
 

@@ -29,6 +29,7 @@ def evaluate(
     batch_size: int | None = None,
     compact: bool = False,
     episode: Episode | None = None,
+    turn_cache: bool = False,
 ) -> float:
     """Mean of `score` over `samples` completions per row ({"prompt", "answer"}), sampled at
     `temperature` (reproducible given `seed`), with tool calls between turns when `tools` names any.
@@ -36,7 +37,8 @@ def evaluate(
     it). `batch_size`: decode at most this many completions at a time (None: all at once), which bounds
     the KV cache's memory; chunks continue one random stream, so a chunked evaluation is reproducible but
     draws other samples than an unchunked one. `compact`: single-turn decoding drops ended rows from its
-    KV cache (`decode`'s `compact`). `episode`: each completion meets its own episode of the environment
+    KV cache (`decode`'s `compact`). `turn_cache`: with tools, each row's KV cache lives from turn to turn
+    (`sample_with_tools`). `episode`: each completion meets its own episode of the environment
     (completion i's toolbox is built from `episode_seed("heldout", seed, i)` and its prompt; `tools` is
     then ignored), so a score is reproducible from `seed` and its samples meet different draws. Leaves
     the model in eval mode."""
@@ -80,6 +82,7 @@ def evaluate(
                 max_turns,
                 on_step=None if bar is None else lambda: bar.update(1),
                 compact=compact,
+                turn_cache=turn_cache,
             )
     finally:
         if bar is not None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from otbrl.rollout.sampler import STOP, SamplingSettings, decode, eos_token_ids, sample
+from otbrl.rollout.sampler import STOP, RowCache, SamplingSettings, decode, eos_token_ids, sample
 from otbrl.tools import calculator, run_python
 
 Tool = Callable[[str], str]
@@ -180,6 +180,7 @@ def sample_with_tools(
     eos_ids: Sequence[int] | None = None,
     head_in_float32: bool = False,
     compact: bool = False,
+    turn_cache: bool = False,
 ) -> ToolRollouts:
     """One completion per prompt (repeat prompts for groups), with tool calls executed between turns:
     `tools` is one toolbox for every row or one per row (`toolboxes`). Every turn re-reads each unfinished
@@ -188,7 +189,10 @@ def sample_with_tools(
     token budget, or a closed tool call. Tokens are drawn with
     `sampling`'s processors over the whole context, as `generate` would draw them from it. `compact`: within
     a turn, rows that pause or end leave the KV cache (`decode`'s `compact`: the same tokens, faster when
-    rows pause at different steps)."""
+    rows pause at different steps). `turn_cache`: a row's KV cache lives on from turn to turn, so a turn
+    feeds only the row's last token and the tool's output instead of its whole context again (`decode`'s
+    `past`: the same logits up to float rounding, so a token may differ, rarely, from a rollout without
+    it; its memory is the rows' caches between turns)."""
     if max_turns < 0:
         raise ValueError(f"max_turns: must be >= 0, got {max_turns}")
     vocab = tokenizer.get_vocab()
@@ -207,6 +211,7 @@ def sample_with_tools(
     logps: list[list[float]] = [[] for _ in range(rows)]
     energy: list[list[float]] = [[] for _ in range(rows)]
     calls, running = [0] * rows, list(range(rows))
+    kv: list[RowCache | None] = [None] * rows  # each running row's cache from its last turn (turn_cache)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         while running:
             contexts = [prompt_ids[r] + completion[r] for r in running]
@@ -216,7 +221,7 @@ def sample_with_tools(
             budget = torch.tensor([max_new_tokens - len(completion[r]) for r in running], device=device)
             can_call = torch.tensor([calls[r] < max_turns for r in running], device=device)
             stop = _CallCloser(parens, can_call)
-            new, new_mask, new_logp, why, new_energy = decode(
+            out = decode(
                 model,
                 ids,
                 attn,
@@ -230,7 +235,12 @@ def sample_with_tools(
                 tokenizer=tokenizer,
                 head_in_float32=head_in_float32,
                 compact=compact,
+                past=[kv[r] for r in running] if turn_cache else None,
+                keep_cache=turn_cache,
             )
+            new, new_mask, new_logp, why, new_energy = out[:5]
+            for j, r in enumerate(running):
+                kv[r] = out.caches[j] if out.caches is not None else None
             pending = []
             for j, r in enumerate(running):
                 n = int(new_mask[j].sum())
@@ -259,6 +269,8 @@ def sample_with_tools(
                     energy[r] += [0.0] * len(out)
                 if max_new_tokens - len(completion[r]) > 0:
                     running.append(r)
+            alive = set(running)
+            kv = [c if r in alive else None for r, c in enumerate(kv)]  # free the ended rows' caches
     texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
     return ToolRollouts(prompt_ids, completion, mask, logps, calls, texts, energy)
 
@@ -274,17 +286,27 @@ def sample_texts(
     max_turns: int = 0,
     on_step: Callable[[], None] | None = None,
     compact: bool = False,
+    turn_cache: bool = False,
 ) -> list[str]:
     """One decoded completion per prompt: with tool calls between turns when `tools` names any, or gives
     them (a mapping, or one per prompt: `toolboxes`), tool output included in the text; else a plain
     single-turn sample (`on_step` after each of its decoding steps). `compact`: ended (and, with tools,
-    paused) rows leave the KV cache."""
+    paused) rows leave the KV cache; `turn_cache`: with tools, a row's KV cache lives from turn to turn."""
     if tools:
         ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
         named = isinstance(tools, list | tuple) and all(isinstance(t, str) for t in tools)
         toolbox = resolve_tools(tools) if named or isinstance(tools, Mapping) else tools
         return sample_with_tools(
-            model, tokenizer, ids, toolbox, max_new_tokens, max_turns, temperature, generator, compact=compact
+            model,
+            tokenizer,
+            ids,
+            toolbox,
+            max_new_tokens,
+            max_turns,
+            temperature,
+            generator,
+            compact=compact,
+            turn_cache=turn_cache,
         ).texts
     return sample(
         model,

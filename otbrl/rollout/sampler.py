@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 from transformers.generation import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -188,16 +189,34 @@ class Samples:
         return self.completion_mask
 
 
+@dataclass(frozen=True)
+class RowCache:
+    """One row's KV cache over its real tokens only (no padding): `ids` (L,) the tokens it covers, and per
+    layer (keys, values), each (heads, L, head_dim). `decode(keep_cache=True)` returns one per row; a
+    later `decode(past=...)` on a context that starts with `ids` feeds only the rest of it."""
+
+    ids: torch.Tensor
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.numel())
+
+
 class Decoded(NamedTuple):
     """What `decode` returns: completion_ids (B, T) padded with pad, completion_mask (B, T), logprobs
     (B, T), reason (B,) why each row ended (EOS 0, BUDGET 1, STOP 2: the `stop` callable, STOP_STRING 3)
-    and energy (B, T); logprobs and energy are float32 and 0 where the mask is 0."""
+    and energy (B, T); logprobs and energy are float32 and 0 where the mask is 0. `caches`: with
+    `keep_cache`, each row's `RowCache` over its context and its tokens but the last (which no forward has
+    read yet); None without it, or for a model whose cache is not one plain tensor per layer (sliding
+    windows, quantized caches)."""
 
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
     logprobs: torch.Tensor
     reason: torch.Tensor
     energy: torch.Tensor
+    caches: list[RowCache] | None = None
 
 
 def attention_for_decoding(device: torch.device) -> Any:
@@ -291,6 +310,8 @@ def decode(
     tokenizer: PreTrainedTokenizerBase | None = None,
     head_in_float32: bool = False,
     compact: bool = False,
+    past: Sequence[RowCache | None] | None = None,
+    keep_cache: bool = False,
 ) -> Decoded:
     """The KV-cache sampling loop on left-padded ids (B, P). A row ends at any id of `eos_id` (one id or
     several: pass `eos_token_ids(model, tokenizer)` to end where `generate` ends), after its own budget
@@ -306,7 +327,13 @@ def decode(
     very logits it was sampled from (the model's
     own, so any soft-capping or logit scale is in them; the processors' filters are not), at
     `temperature` (1 when decoding greedily). On CUDA it runs without cuDNN's attention
-    (`attention_for_decoding`)."""
+    (`attention_for_decoding`).
+
+    `past` (one `RowCache` or None per row) resumes rows whose context begins with a cached prefix: only
+    the rest of each row is fed (a multi-turn rollout's new tool output, not its whole context again).
+    The logits are those of one forward over the whole context up to float rounding (attention summed in
+    another order), so a token can differ, rarely, from a rollout that reads the context afresh.
+    `keep_cache` returns each row's cache (`Decoded.caches`) for such a resume."""
     device = prompt_ids.device
     batch = prompt_ids.shape[0]
     settings = sampling if sampling is not None else SamplingSettings()
@@ -332,7 +359,72 @@ def decode(
             processors,
             strings,
             compact,
+            past,
+            keep_cache,
         )
+
+
+def _plain(cache: Any, width: int) -> bool:
+    """Whether every layer of `cache` holds one growing tensor of keys and one of values over all `width`
+    positions (rows can then be cut out of it and put back together)."""
+    layers = getattr(cache, "layers", None) or [None]
+    return all(
+        type(layer) is DynamicLayer and layer.keys is not None and layer.keys.shape[-2] == width
+        for layer in layers
+    )
+
+
+def _row_layers(cache: Any, index: torch.Tensor, real: torch.Tensor) -> list[list[tuple[torch.Tensor, ...]]]:
+    """Rows `index` (k,) of a batch cache, each over its real positions (`real` (k, S) bool): k lists
+    of per-layer (keys, values) (heads, L_row, head_dim) copies."""
+    out: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(index.numel())]
+    for layer in cache.layers:
+        keys, values = layer.keys[index], layer.values[index]
+        for j in range(index.numel()):
+            out[j].append((keys[j][:, real[j]], values[j][:, real[j]]))
+    return out
+
+
+def _resume(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, past: Sequence[RowCache | None]
+) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch cache from per-row caches and each row's tokens beyond them: returns (cache, attention
+    mask (B, C + N), new ids (B, N), their position ids (B, N)). Layout of row i: padding, its C_i
+    cached positions | padding, its N_i new tokens; the padding is masked, so each row attends to
+    exactly its own context and the last column of every row is its last token."""
+    device, pad = prompt_ids.device, 0
+    batch = prompt_ids.shape[0]
+    if len(past) != batch:
+        raise ValueError(f"past: one RowCache or None per row, got {len(past)} for {batch} rows")
+    contexts = [prompt_ids[i][prompt_mask[i].bool()] for i in range(batch)]
+    cached = [0 if c is None else c.length for c in past]
+    for i, (c, ctx) in enumerate(zip(past, contexts, strict=True)):
+        if c is not None and (c.length >= ctx.numel() or not torch.equal(ctx[: c.length], c.ids.to(device))):
+            raise ValueError(
+                f"past[{i}]: its {c.length} cached tokens must be a proper prefix of the row's "
+                f"{ctx.numel()} context tokens"
+            )
+    reference = next(c for c in past if c is not None)
+    width_c, width_n = max(cached), max(len(x) - n for x, n in zip(contexts, cached, strict=True))
+    data = []
+    for layer, (k0, v0) in enumerate(reference.layers):
+        keys = k0.new_zeros((batch, k0.shape[0], width_c, k0.shape[2]))
+        values = v0.new_zeros((batch, v0.shape[0], width_c, v0.shape[2]))
+        for i, c in enumerate(past):
+            if c is not None and c.length:
+                keys[i, :, width_c - c.length :] = c.layers[layer][0]
+                values[i, :, width_c - c.length :] = c.layers[layer][1]
+        data.append((keys, values))
+    ids = torch.full((batch, width_n), pad, dtype=prompt_ids.dtype, device=device)
+    mask = torch.zeros((batch, width_c + width_n), dtype=prompt_mask.dtype, device=device)
+    positions = torch.zeros((batch, width_n), dtype=torch.long, device=device)
+    for i, (ctx, n) in enumerate(zip(contexts, cached, strict=True)):
+        new = ctx[n:]
+        ids[i, width_n - new.numel() :] = new
+        mask[i, width_c - n : width_c] = 1
+        mask[i, width_c + width_n - new.numel() :] = 1
+        positions[i, width_n - new.numel() :] = torch.arange(n, n + new.numel(), device=device)
+    return DynamicCache(ddp_cache_data=data), mask, ids, positions
 
 
 def _loop(
@@ -348,16 +440,20 @@ def _loop(
     processors: LogitsProcessorList,
     strings: StopStringCriteria | None,
     compact: bool = False,
+    past: Sequence[RowCache | None] | None = None,
+    keep_cache: bool = False,
 ) -> Decoded:
     """`decode`'s loop, each step as `generate`'s sampling step: processors over the whole row so far
     (prompt, then generated tokens; pad after a row's end), then a draw from softmax of the result."""
     device = prompt_ids.device
     batch = prompt_ids.shape[0]
-    attention_mask = prompt_mask
-    positions = lm.positions(prompt_mask)  # left padding: first real token at 0
-    cache = DynamicCache(config=model.config)
+    if past is not None and any(c is not None for c in past):
+        cache, attention_mask, ids, positions = _resume(prompt_ids, prompt_mask, past)
+    else:
+        cache, attention_mask, ids = DynamicCache(config=model.config), prompt_mask, prompt_ids
+        positions = lm.positions(prompt_mask)  # left padding: first real token at 0
     out = model(
-        input_ids=prompt_ids,
+        input_ids=ids,
         attention_mask=attention_mask,
         position_ids=positions,
         past_key_values=cache,
@@ -365,6 +461,9 @@ def _loop(
         logits_to_keep=1,
     )
     next_pos = positions[:, -1:] + 1  # (B, 1)
+    keep_cache = keep_cache and _plain(cache, attention_mask.shape[1])
+    real = attention_mask.bool()  # (rows in the cache, S): the cache positions that hold a real token
+    kept: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # row -> its per-layer (keys, values)
 
     rows = prompt_ids  # (B, P + steps so far): what the processors and stop strings read
     tokens, logps, masks, energies = [], [], [], []
@@ -406,10 +505,15 @@ def _loop(
             break
         still = ~done[cached]
         if compact and not bool(still.all()):  # rows ended this step: drop them from the cache
+            if keep_cache:
+                gone = (~still).nonzero().squeeze(1)
+                kept.update(zip(cached[gone].tolist(), _row_layers(cache, gone, real[gone]), strict=True))
             keep = still.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             cached, attention_mask, next_pos = cached[keep], attention_mask[keep], next_pos[keep]
+            real = real[keep]
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
+        real = torch.cat([real, ~done[cached, None]], dim=-1)  # an ended row's fed pad is not its token
         out = model(
             input_ids=tok[cached, None],
             attention_mask=attention_mask,
@@ -419,9 +523,23 @@ def _loop(
         )
         next_pos = next_pos + 1
 
-    if not tokens:
+    if tokens:
+        ids, mask = torch.stack(tokens, 1), torch.stack(masks, 1)
+        decoded = Decoded(ids, mask, torch.stack(logps, 1), reason, torch.stack(energies, 1))
+    else:
         empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        return Decoded(empty, empty, empty.float(), reason, empty.float())
-    return Decoded(
-        torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logps, 1), reason, torch.stack(energies, 1)
-    )
+        decoded = Decoded(empty, empty, empty.float(), reason, empty.float())
+    if not keep_cache:
+        return decoded
+    at = torch.arange(cached.numel(), device=device)  # the cache's own rows, batch rows `cached`
+    kept.update(zip(cached.tolist(), _row_layers(cache, at, real), strict=True))
+    caches = []
+    for i in range(batch):
+        n = int(decoded.completion_mask[i].sum())
+        context = prompt_ids[i][prompt_mask[i].bool()]
+        covered = torch.cat([context, decoded.completion_ids[i, : max(n - 1, 0)]])
+        held = kept[i][0][0].shape[1]
+        if held != covered.numel():  # the loop's bookkeeping, checked, not assumed
+            raise RuntimeError(f"row {i}: a cache of {held} positions for {covered.numel()} tokens")
+        caches.append(RowCache(covered, tuple(kept[i])))
+    return decoded._replace(caches=caches)

@@ -198,6 +198,7 @@ def rollout_func(
     max_turns: int = 3,
     workers: int = 4,
     compact: bool = False,
+    turn_cache: bool = False,
 ) -> Callable[[list, Any], dict[str, Any]]:
     """A TRL `rollout_func` that samples with tools: `OTBGRPOTrainer(..., rollout_func=rollout_func())`.
     `tools`: names of `otbrl.rollout.default_tools`, a mapping name -> callable, or an episode (a callable
@@ -205,7 +206,8 @@ def rollout_func(
     own toolbox, seeded by the run's seed, the step, the call within the step, the process and the row,
     so the samples of one prompt meet different draws of the environment. Chat prompts (message lists) go
     through the tokenizer's chat template. Reward functions receive `tool_calls` (calls executed per
-    completion). `compact`: rows that pause or end leave the KV cache within a turn (the same tokens)."""
+    completion). `compact`: rows that pause or end leave the KV cache within a turn (the same tokens);
+    `turn_cache`: each row's KV cache lives from turn to turn (`sample_with_tools`)."""
     episode = tools if callable(tools) and not isinstance(tools, Mapping) else None
     toolbox = None if episode is not None else resolve_tools(tools)
     calls = {"step": None, "n": 0}  # rollouts within one optimizer step: each gets its own episodes
@@ -241,6 +243,7 @@ def rollout_func(
                 eos_ids=_trainer_eos_ids(trainer, model, tokenizer),
                 head_in_float32=_head_in_float32(trainer),
                 compact=compact,
+                turn_cache=turn_cache,
             )
         finally:
             model.train(was_training)
