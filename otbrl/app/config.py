@@ -96,6 +96,11 @@ class RecipeKeys:
 
         eval_size (`int`, *optional*, defaults to `128`):
             Held-out prompts (never training prompts) scored before and after training.
+        eval_distinct_problems (`bool`, *optional*, defaults to `False`):
+            With a task, the held-out prompts pose `eval_size` distinct problems (each in one wording)
+            instead of `eval_size` distinct prompts, some of which may pose one problem in two wordings:
+            every prompt is then an independent unit of the evaluation. Changes which prompts are drawn,
+            so a registered experiment keeps the value it was registered with.
         eval_samples (`int`, *optional*, defaults to `1`):
             Completions sampled and scored per held-out prompt: the score is their mean over all
             `eval_size` x `eval_samples` of them. More than one lowers the evaluation's own noise (its
@@ -176,6 +181,7 @@ class RecipeKeys:
     reward_max_failure_fraction: float = 0.5
     train_size: int = 4096
     eval_size: int = 128
+    eval_distinct_problems: bool = False
     eval_samples: int = 1
     eval_batch_size: int | None = None
     eval_at_tokens: list[int] | None = None

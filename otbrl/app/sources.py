@@ -90,7 +90,13 @@ def load_rows(recipe: dict[str, Any]) -> tuple[list[dict], list[dict]]:
         seed = recipe["seed"]
         return (
             dataset(recipe["task"], recipe["train_size"], seed, split="train"),
-            dataset(recipe["task"], recipe["eval_size"], seed + 1, split="heldout"),
+            dataset(
+                recipe["task"],
+                recipe["eval_size"],
+                seed + 1,
+                split="heldout",
+                distinct_problems=recipe["eval_distinct_problems"],
+            ),
         )
     data = _load_data(recipe)  # a checked recipe has a task or a dataset
     columns = {"prompt": recipe["prompt_column"], "answer": recipe["answer_column"]}

@@ -303,13 +303,17 @@ def get_task(task: str | Task) -> Task:
     return TASKS[task]
 
 
-def dataset(task: str | Task, n: int, seed: int = 0, split: Split | None = None) -> list[dict[str, str]]:
+def dataset(
+    task: str | Task, n: int, seed: int = 0, split: Split | None = None, distinct_problems: bool = False
+) -> list[dict[str, str]]:
     """`n` rows `{"prompt": ..., "answer": ...}`, the same for the same (task name, n, seed, split).
 
     `split="train"` or `"heldout"` draws only from that side of the task's hash split of its prompt space
     (`otbrl.tasks.split`, `task.heldout_fraction` held out), so the two never share a prompt; None draws
     from the whole space. Held-out rows are `n` distinct prompts (an evaluation of n prompts scores n
-    prompts, not repeats); a held-out side smaller than `n` is a `ValueError`. Training rows repeat freely."""
+    prompts, not repeats); a held-out side smaller than `n` is a `ValueError`. Training rows repeat freely.
+    `distinct_problems`: held-out rows are `n` distinct problems (`task.split_key`), each in one wording,
+    so that n rows are n independent units of an evaluation, not a few problems worded n ways."""
     task = get_task(task)
     rng = random.Random(f"{task.name}:{seed}")  # str seeds are hashed with sha512: stable across runs
     make = lambda: task.make(rng)  # noqa: E731
@@ -322,14 +326,16 @@ def dataset(task: str | Task, n: int, seed: int = 0, split: Split | None = None)
             if split is None
             else draw(make, split, task.heldout_fraction, task.name, key=task.split_key)
         )
-        if split == "heldout" and prompt in seen:
+        key = task.split_key(prompt) if distinct_problems and task.split_key else prompt
+        if split == "heldout" and key in seen:
             misses += 1
             if misses > 50 * n + 10_000:  # coupon collecting the last prompts of a side takes ~ln(size) x
                 raise ValueError(
-                    f"eval_size: {n} distinct held-out prompts asked of task {task.name}, but its held-out "
+                    f"eval_size: {n} distinct held-out {'problems' if distinct_problems else 'prompts'} asked "
+                    f"of task {task.name}, but its held-out "
                     f"side (heldout_fraction {task.heldout_fraction}) gave only {len(rows)}"
                 )
             continue
-        seen.add(prompt)
+        seen.add(key)
         rows.append({"prompt": prompt, "answer": answer})
     return rows

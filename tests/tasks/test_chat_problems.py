@@ -245,3 +245,19 @@ def test_two_number_rewards_read_the_final_number():
     assert task.reward("I do not know.", "15") == 0.0
     for row in dataset("chat_pair_story", 20, seed=0):
         assert get_task("chat_pair_story").reward(f"So that makes {row['answer']}.", row["answer"]) == 1.0
+
+
+@pytest.mark.parametrize("name", [*NAMES[:2], "chat_draws_told"])
+def test_an_evaluation_of_distinct_problems_poses_each_held_out_problem_once(name):
+    """`distinct_problems`: n held-out rows are n problems (the units a score averages over), not fewer
+    problems in several wordings, still never one a training row poses."""
+    task = get_task(name)
+    rows = dataset(name, 256, seed=1, split="heldout", distinct_problems=True)
+    keys = [task.split_key(r["prompt"]) for r in rows]
+    assert len(rows) == len(set(keys)) == 256
+    assert all(held_out(k, task.heldout_fraction, name) for k in keys)
+    by_prompt = {task.split_key(r["prompt"]) for r in dataset(name, 256, seed=1, split="heldout")}
+    assert len(by_prompt) < 256 or name != "chat_draws_told"  # the default counts wordings, not problems
+    side = sum(held_out(k, task.heldout_fraction, name) for k in task.problems())
+    with pytest.raises(ValueError, match="distinct held-out problems"):
+        dataset(name, side + 1, seed=1, split="heldout", distinct_problems=True)
