@@ -5,7 +5,10 @@ the row's whole context again (the ~70-token chat prompt, its draws, the tool's 
 turn's prefill fed 27,568 positions for 3,196 completion tokens. With `turn_cache` a turn feeds only each
 row's last token and the tool's output. This measures both on the same prompts, episodes and seed,
 alternating, with the positions each forward was fed, and how many rows draw the same tokens (the cached
-attention sums in another order, so logits may differ in their last bits).
+attention sums in another order, so logits may differ in their last bits). Then a few RL steps of
+`otbrl train` (OTB, N=4, 4 prompts x 4 answers, learning rate 1e-5, seed 0) from the same warm start with
+and without it, and what a run of the smollm2c protocol costs either way (its budget of generated tokens
+and its 1,024-sample evaluations).
 
 The model is the warm start that issue 34's task pilot picked (pilot 9: `otbrl sft` of SmolLM2-135M-
 Instruct, 10 steps of chat_draws_told's training side; built on first use in $OTBRL_CACHE/sft/); 16
@@ -17,6 +20,8 @@ compact decoding, float32, the torch threads of the machine (`OMP_NUM_THREADS`).
 
 from __future__ import annotations
 
+import json
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -34,6 +39,7 @@ from otbrl.tasks import get_task
 from studies.llm_pilot2 import distinct_problems
 
 TASK = "chat_draws_told"
+BUDGET, EVAL_SAMPLES, ARMS = 24_000, 1024, 3  # smollm2c: tokens a run, samples an evaluation, arms a seed
 SFT = {"sft_steps": 10, "sft_learning_rate": 2e-5, "sft_batch_size": 8, "sft_seed": 0}  # pilot 9's pick
 
 
@@ -48,6 +54,34 @@ def fed_positions(model: torch.nn.Module) -> Counter:
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
     return seen
+
+
+def train_steps(recipe: dict, steps: int, cached: bool, folder: Path) -> dict[str, float]:
+    """`steps` RL steps of `otbrl train` from the warm start: training seconds (the held-out evaluation
+    excluded), steps and generated tokens, from its metrics."""
+    from otbrl.app.recipe import load_recipe
+    from otbrl.app.train import run
+
+    overrides = {
+        "task": TASK,
+        "model": recipe["model"],
+        "model_fallback": None,
+        "max_steps": steps,
+        "eval_before": False,
+        "eval_size": 2,
+        "save_strategy": "no",
+        "report_to": [],
+        "plot": False,
+        "disable_tqdm": True,
+        "threads": torch.get_num_threads(),
+        "compact_decoding": True,
+        "turn_cache": cached,
+        "output_dir": str(folder / f"turn_cache_{cached}"),
+    }
+    run(load_recipe("smollm2-draws", overrides), log=lambda _: None)
+    lines = (folder / f"turn_cache_{cached}" / "metrics.jsonl").read_text().splitlines()
+    last = [json.loads(line) for line in lines][-1]
+    return {"seconds": last["train_seconds"], "steps": last["step"], "tokens": last["generated_tokens"]}
 
 
 def main() -> None:
@@ -77,6 +111,12 @@ def main() -> None:
         seconds[cached].append(time.perf_counter() - start)
         counts[cached] = Counter(fed)
         print(f"turn_cache={cached}: {seconds[cached][-1]:.1f} s", flush=True)
+    steps = 1 if quick else 4
+    trained: dict[bool, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for cached in (False, True):
+            trained[cached] = train_steps(recipe, steps, cached, Path(folder))
+            print(f"training, turn_cache={cached}: {trained[cached]}", flush=True)
     ref, fast = results[False], results[True]
     alike = [i for i, a in enumerate(ref.completion_ids) if a == fast.completion_ids[i]]
     same = len(alike)  # log-probs compared on those rows (another row's tokens part ways)
@@ -98,11 +138,45 @@ def main() -> None:
         ],
     )
     calls, flags = sum(ref.calls) / len(rows), cpu_flags()
+    cost = {}
+    for c in (False, True):
+        t = trained[c]
+        train = BUDGET / (t["tokens"] / t["steps"]) * t["seconds"] / t["steps"]
+        evaluate = EVAL_SAMPLES * min(seconds[c]) / len(rows)
+        cost[c] = (train, evaluate, train + evaluate * (1 + 1 / ARMS))  # step 0 is shared by the arms
+    runs = markdown_table(
+        [
+            "turns",
+            "RL s/step",
+            "tokens/step",
+            "train min/run",
+            "eval min (1,024)",
+            "min/run",
+            "runs/hour, 2 cores",
+        ],
+        [
+            [
+                "KV cache kept from turn to turn" if c else "each turn reads the whole context",
+                f"{trained[c]['seconds'] / trained[c]['steps']:.1f}",
+                f"{trained[c]['tokens'] / trained[c]['steps']:.0f}",
+                f"{cost[c][0] / 60:.1f}",
+                f"{cost[c][1] / 60:.1f}",
+                f"{cost[c][2] / 60:.1f}",
+                f"{2 * 3600 / cost[c][2]:.2f}",
+            ]
+            for c in (False, True)
+        ],
+    )
     verdict = (
         f"Speed-up (best of two each): {min(seconds[False]) / min(seconds[True]):.2f}x. Rows with identical "
         f"tokens: {same} of {len(rows)}; largest log-prob difference {diff:.1e}. Tool calls per sample "
         f"{calls:.2f}; completion tokens with tool output {tokens[False]:,} (model's own {own[False]:,}). "
-        f"CPU flags: avx512_bf16 {'avx512_bf16' in flags}, amx_bf16 {'amx_bf16' in flags} (float32 here)."
+        f"CPU flags: avx512_bf16 {'avx512_bf16' in flags}, amx_bf16 {'amx_bf16' in flags} (float32 here).\n\n"
+        f"## What a run of smollm2c costs\n\n{steps} RL steps each way from the warm start (the same seed: "
+        "the steps sample other tokens once a row differs, so their lengths differ a little). A run is "
+        f"{BUDGET:,} generated tokens at the measured tokens per step, one 1,024-sample evaluation at its "
+        "end at the measured seconds per sample, and a third of the seed's shared step-0 evaluation; runs "
+        "per hour assume two one-thread runs side by side, one a core.\n\n" + runs
     )
     write_result(
         out,

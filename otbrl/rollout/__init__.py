@@ -5,9 +5,18 @@
 
 from otbrl.rollout.evaluate import evaluate
 from otbrl.rollout.multiturn import ToolRollouts, resolve_tools, sample_texts, sample_with_tools
-from otbrl.rollout.sampler import Samples, SamplingSettings, decode, eos_token_ids, float32_head, sample
+from otbrl.rollout.sampler import (
+    RowCache,
+    Samples,
+    SamplingSettings,
+    decode,
+    eos_token_ids,
+    float32_head,
+    sample,
+)
 
 __all__ = [
+    "RowCache",
     "Samples",
     "SamplingSettings",
     "ToolRollouts",
