@@ -330,9 +330,9 @@ def dataset(
         if split == "heldout" and key in seen:
             misses += 1
             if misses > 50 * n + 10_000:  # coupon collecting the last prompts of a side takes ~ln(size) x
+                units = "problems" if distinct_problems else "prompts"
                 raise ValueError(
-                    f"eval_size: {n} distinct held-out {'problems' if distinct_problems else 'prompts'} asked "
-                    f"of task {task.name}, but its held-out "
+                    f"eval_size: {n} distinct held-out {units} asked of task {task.name}, but its held-out "
                     f"side (heldout_fraction {task.heldout_fraction}) gave only {len(rows)}"
                 )
             continue
