@@ -511,9 +511,10 @@ def _loop(
             keep = still.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             cached, attention_mask, next_pos = cached[keep], attention_mask[keep], next_pos[keep]
-            real = real[keep]
+            real = real[keep] if keep_cache else real
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
-        real = torch.cat([real, ~done[cached, None]], dim=-1)  # an ended row's fed pad is not its token
+        if keep_cache:  # an ended row's fed pad is not its token
+            real = torch.cat([real, ~done[cached, None]], dim=-1)
         out = model(
             input_ids=tok[cached, None],
             attention_mask=attention_mask,
