@@ -17,7 +17,16 @@ import yaml
 
 from studies import variance_a, variance_a_cli
 from studies.cell_sums import row_sums
-from studies.gradstats import Moments, RowSums, nsr_ratio, sums_nsr_ratio
+from studies.gradstats import (
+    Moments,
+    RowSums,
+    jackknife_log_interval,
+    moments_nsr_ratio,
+    nsr_ratio,
+    sums_nsr,
+    sums_nsr_ratio,
+    sums_variance_ratio,
+)
 from studies.pages import write_record
 from studies.variance import policy_gradients, position_buckets
 from studies.variance_a import Cell, Study, power_plan, register_stage
@@ -98,6 +107,47 @@ def test_row_sums_give_the_gram_moments_and_the_same_interval() -> None:
         (want_iv.ratio, want_iv.lo, want_iv.hi), (got_iv.ratio, got_iv.lo, got_iv.hi), strict=True
     ):
         assert math.isclose(x, y, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("signal", [1.0, 0.05, 0.0])
+def test_vectorized_jackknife_equals_one_subset_at_a_time(signal: float) -> None:
+    """The sums_* intervals take every leave-one-out in one pass (K is tens of thousands in variance-b);
+    they must equal the generic jackknife over RowSums.moments bit for bit, and say undetermined
+    where some K - 1 subset has no signal (signal 0: pure noise around a zero mean)."""
+    k, dim = 25, 30
+    mean = signal * torch.ones(dim, dtype=torch.float64)
+    a, b = (
+        RowSums.of_vectors(_gaussian(k, dim, 1.0, 5, mean)),
+        RowSums.of_vectors(_gaussian(k, dim, 1.5, 6, mean)),
+    )
+    every = list(range(k))
+
+    def nsr_of(rs: RowSums):
+        return lambda s: rs.moments(s).nsr(debiased=True)
+
+    def tc_ratio(s):
+        return a.moments(s).trace_cov / b.moments(s).trace_cov
+
+    pairs = [
+        (sums_nsr_ratio(a, b), moments_nsr_ratio(a.moments, b.moments, every)),
+        (sums_nsr(a), jackknife_log_interval(nsr_of(a), every)),
+        (sums_variance_ratio(a, b), jackknife_log_interval(tc_ratio, every)),
+    ]
+    for got, want in pairs:
+        assert got.k == want.k == k
+        for x, y in (
+            (got.ratio, want.ratio),
+            (got.lo, want.lo),
+            (got.hi, want.hi),
+            (got.log_se, want.log_se),
+        ):
+            assert x == y or (math.isnan(x) and math.isnan(y)), (got, want)
+    if signal == 1.0:
+        assert all(math.isfinite(iv.lo) for iv, _ in pairs)
+    if signal == 0.0:
+        assert math.isnan(pairs[0][0].lo)  # no measurable signal somewhere: undetermined, not a number
+    with pytest.raises(ValueError, match="same batches"):
+        sums_nsr_ratio(a, RowSums(a.d[:-1], a.r[:-1]))
 
 
 def test_row_sums_of_stored_buckets_add_up_to_all() -> None:
