@@ -228,6 +228,44 @@ def where_table(result: dict[str, Any]) -> str:
     )
 
 
+def cost_table(result: dict[str, Any]) -> str:
+    """What a run costs, per machine: median wall minutes from a record's start to its finish (training and
+    evaluations, with whatever else the machine ran beside it), median training minutes, and the runs one
+    process finishes an hour at that median. Empty when no record stamps its times."""
+    by_env: dict[str, list[tuple[float, float]]] = {}
+    for runs in result["runs"].values():
+        for r in runs:
+            wall = r.get("wall_seconds", math.nan)
+            if wall == wall and wall > 0:
+                by_env.setdefault(r.get("where", "not recorded"), []).append((wall, r["train_seconds"]))
+    if not by_env:
+        return ""
+    rows = []
+    for env, times in by_env.items():
+        wall = statistics.median(w for w, _ in times) / 60
+        train = [t for _, t in times if t == t]
+        rows.append(
+            [
+                env,
+                len(times),
+                f"{wall:.1f}",
+                f"{statistics.median(train) / 60:.1f}" if train else "—",
+                f"{60 / wall:.2f}",
+            ]
+        )
+    head = [
+        "machine",
+        "runs",
+        "wall min a run (median)",
+        "training min (median)",
+        "runs an hour, one process",
+    ]
+    return (
+        "Cost per run, from the records' start and finish times (a run's evaluations included; runs that "
+        "shared a machine with other work took longer):\n\n" + markdown_table(head, rows, aligned=False)
+    )
+
+
 def events(result: dict[str, Any]) -> str:
     """Per run with any event: first gradient-norm surge, first LR-decay trigger, collapse (steps)."""
     rows = [
@@ -398,6 +436,8 @@ def report(
             if any(h.get("by_where") for c in result["comparisons"] for h in c["heldout"])
             else []
         )
+    cost = cost_table(result)
+    parts += [cost] if cost else []
     parts += [
         f"Events by run (steps):\n\n{events(result)}",
         check,

@@ -25,6 +25,7 @@ import json
 import math
 import statistics
 import textwrap
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -389,16 +390,17 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
             stamps[key] = stamps.get(key, 0) + 1
             started += [rec["started"]] if rec.get("started") else []
             env = environment_label(rec.get("environment"))
+            wall = wall_seconds(rec)
         elif (run.dir / "summary.json").is_file():
             rows = read_metrics(run.dir / "metrics.jsonl")
             summary = json.loads((run.dir / "summary.json").read_text())
             stamps["unstamped"] = stamps.get("unstamped", 0) + 1
-            env = "not recorded"
+            env, wall = "not recorded", math.nan
         else:
             continue
         where[env] = where.get(env, 0) + 1
         result = analyse_rows(rows, summary, exp, run.seed, batch)
-        result["where"] = env
+        result["where"], result["wall_seconds"] = env, wall
         n = run.overrides.get("num_generations")
         result["prompts_per_step"] = (
             batch // int(n) if n and "per_device_train_batch_size" in run.overrides else None
@@ -413,6 +415,16 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
         "environments": where,
         "first_started": min(started) if started else None,
     }
+
+
+def wall_seconds(record: dict[str, Any]) -> float:
+    """A run's wall time from its record's start and finish stamps (its evaluations included); NaN when
+    the record lacks either."""
+    try:
+        start, end = (datetime.fromisoformat(record[k]) for k in ("started", "finished"))
+    except (KeyError, TypeError, ValueError):
+        return math.nan
+    return (end - start).total_seconds()
 
 
 def interval_json(ci: Interval) -> dict[str, float]:

@@ -16,6 +16,7 @@ from otbrl.app.metrics import append_metrics, moving_average, read_metrics, writ
 from studies.compare import (  # noqa: E402
     compare,
     comparisons_table,
+    cost_table,
     events,
     picks_and_gate,
     pilot,
@@ -29,7 +30,7 @@ from studies.experiment import (  # noqa: E402
     pilot_plan,
     plan,
 )
-from studies.outcomes import analyse, collapse_step, surge_steps  # noqa: E402
+from studies.outcomes import analyse, collapse_step, surge_steps, wall_seconds  # noqa: E402
 from studies.pages import markdown_table  # noqa: E402
 from studies.runs import Run  # noqa: E402
 
@@ -227,6 +228,29 @@ def test_a_collapse_and_a_surge_are_reported_by_run(tmp_path) -> None:
     assert events(res).splitlines()[2:] == ["| bad | 0 | 13 | — | 16 |"]
 
 
+def test_cost_per_run_by_machine_from_the_records_stamps() -> None:
+    stamps = {"started": "2026-11-27T10:00:00+00:00", "finished": "2026-11-27T10:30:30+00:00"}
+    assert wall_seconds(stamps) == 1830.0
+    assert math.isnan(wall_seconds({"started": stamps["started"]}))  # an unfinished stamp: unknown
+    assert math.isnan(wall_seconds({"started": "yesterday", "finished": stamps["finished"]}))
+
+    def run(where: str, wall: float, train: float) -> dict:
+        return {"where": where, "wall_seconds": wall, "train_seconds": train}
+
+    result = {
+        "runs": {
+            "otb-N4": [run("cpu A", 1200.0, 600.0), run("gpu B", 300.0, 120.0), run("cpu A", 1800.0, 900.0)],
+            "grpo-N4": [run("cpu A", 3600.0, 1500.0), run("gpu B", math.nan, 100.0)],
+        }
+    }
+    text = cost_table(result)
+    # cpu A: walls 20, 30, 60 min -> median 30 (2 runs an hour); trains 10, 15, 25 -> 15. gpu B: the one
+    # run with a stamp (5 min, 12 an hour); its training median counts that run only.
+    assert "| cpu A | 3 | 30.0 | 15.0 | 2.00 |" in text
+    assert "| gpu B | 1 | 5.0 | 2.0 | 12.00 |" in text
+    assert cost_table({"runs": {"otb-N4": [run("cpu A", math.nan, 5.0)]}}) == ""
+
+
 def test_experiment_errors(tmp_path) -> None:
     with pytest.raises(ValueError, match="no packaged experiment"):
         load_experiment("nope")
@@ -407,6 +431,7 @@ def test_quick_mode_end_to_end(tmp_path, name) -> None:
         assert all(math.isfinite(x) for x in stats["final"] + stats["held_out"])
         assert all(t > 0 for t in stats["total_tokens"])
     assert numbers["prompt_problems"] == []  # every arm of the seed saw the same prompts
+    assert "Cost per run" in text  # every record stamps its start and finish
     starts = {json.dumps(stats["heldout"].get("0")) for stats in numbers["arms"].values()}
     shared = list((tmp_path / "runs" / ".heldout-before").glob("*.json"))
     if exp.common.get("eval_before", True) and "0" in next(iter(numbers["arms"].values()))["heldout"]:
