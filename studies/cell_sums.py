@@ -11,6 +11,10 @@ must reproduce its first-pass norms; if it does not, the machine did not repeat 
 
 Both passes save their state every `every` batches, so a stopped cell resumes where it was on the same
 machine (its scratch folder is not committed).
+
+The second pass's batches are independent once the totals are known, so a second process on the same
+machine (`CellSums.help`) may measure some of them again, from the last one down, while the main one goes
+up; the main process takes those from the helper's file after the same check instead of measuring them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 
 BUCKETS = ("early", "late")  # position buckets (`variance.position_buckets`); "all" is their sum
 TOLERANCE = 1e-6  # relative: a batch measured again must give these norms (same machine: bit-equal)
+HELPER = "helper.npz"  # a helper process's second-pass sums: batch j, d and r per sum, CPU seconds
 
 
 def sum_names(estimators: tuple[str, ...]) -> list[str]:
@@ -114,28 +119,28 @@ class CellSums:
                 self._save(state, grads)
             bar.update()
         named_totals = _named(totals, labels, estimators)
+        helped = _Helped(self.folder / HELPER)
         for j in range(state["n2"], k):
-            if j < self.stored:
-                g = torch.from_numpy(np.asarray(grads[j])).double()
+            done = helped.get(j) if j >= self.stored else None
+            if done is not None:  # a helper measured it again: the same check, its r as it computed it
+                ds, rs, cpu = done
+                for i, name in enumerate(names):
+                    self._check_again(state, i, j, float(ds[i]), name, desc)
+                    state["r"][i, j] = rs[i]
+                self.batches[j].update(cpu_seconds_again=cpu, measured_again_by_helper=True)
             else:
-                vectors, info = measure(j)
-                g = torch.stack([vectors[label].detach().float() for label in labels]).double()
-                self.batches[j]["cpu_seconds_again"] = info.get("cpu_seconds")
-            vs = _named(g, labels, estimators)
-            for i, name in enumerate(names):
-                v = vs[name]
-                if j >= self.stored:
-                    want, got = state["d"][i, j], v.square().sum().item()
-                    diff = abs(got - want) / max(abs(want), 1e-300)
-                    state["max_diff"] = max(float(state["max_diff"]), diff)
-                    if not diff <= TOLERANCE:  # NaN included
-                        raise RuntimeError(
-                            f"{desc}: batch {j} measured again gives ||g||^2 = {got!r} for {name}, against "
-                            f"{want!r} the first time (relative difference {diff:.2e} > {TOLERANCE:g}): this "
-                            "machine did not repeat the batch, so its sums cannot be completed here; delete "
-                            f"{self.folder} to measure the cell again from the start"
-                        )
-                state["r"][i, j] = (v @ named_totals[name]).item()
+                if j < self.stored:
+                    g = torch.from_numpy(np.asarray(grads[j])).double()
+                else:
+                    vectors, info = measure(j)
+                    g = torch.stack([vectors[label].detach().float() for label in labels]).double()
+                    self.batches[j]["cpu_seconds_again"] = info.get("cpu_seconds")
+                vs = _named(g, labels, estimators)
+                for i, name in enumerate(names):
+                    v = vs[name]
+                    if j >= self.stored:
+                        self._check_again(state, i, j, v.square().sum().item(), name, desc)
+                    state["r"][i, j] = (v @ named_totals[name]).item()
             state["n2"] = j + 1
             if state["n2"] % self.every == 0 or state["n2"] == k:
                 self._save(state, grads)
@@ -149,7 +154,71 @@ class CellSums:
             "recomputed_batches": k - self.stored,
             "recomputed_max_relative_difference": float(state["max_diff"]),
         }
+        by_helper = sum(1 for b in self.batches if b.get("measured_again_by_helper"))
+        if by_helper:
+            storage["recomputed_by_helper"] = by_helper
         return self.batches, sums, storage
+
+    def help(
+        self, measure: Measure, estimators: tuple[str, ...], log: Callable[[str], Any] = print, desc: str = ""
+    ) -> int:
+        """A second process's share of the second pass, beside the main process's `run` on the same folder
+        (same machine, same header, so the same threads): the batches measured again, from the last one
+        down, each checked against its first-pass norms, their sums saved to helper.npz after each one
+        (the main process takes them from there). It needs the first pass finished (saved), stops
+        where the main process's saved second pass has come to, and resumes its own file. Returns how many
+        batches it measured."""
+        from tqdm.auto import tqdm
+
+        k, labels = int(self.header["k"]), list(self.header["labels"])
+        names = sum_names(estimators)
+        state = self._saved()
+        if state["n1"] < k:
+            raise ValueError(
+                f"{desc}: the first pass has measured {state['n1']} of {k} batches; start the helper once "
+                "the main process has finished it"
+            )
+        totals = _named(torch.from_numpy(state["totals"]), labels, estimators)
+        kept = _Helped(self.folder / HELPER).load()
+        js = sorted(kept, reverse=True)
+        d = [list(kept[j][0]) for j in js]
+        r = [list(kept[j][1]) for j in js]
+        cpu = [kept[j][2] for j in js]
+        lowest = min(js) if js else k
+        measured = 0
+        bar = tqdm(total=max(0, lowest - self.stored), desc=desc, dynamic_ncols=True)
+        for j in range(lowest - 1, self.stored - 1, -1):
+            if j < self._main_n2():
+                break  # the main process is past it
+            vectors, info = measure(j)
+            g = torch.stack([vectors[label].detach().float() for label in labels]).double()
+            vs = _named(g, labels, estimators)
+            ds = [vs[name].square().sum().item() for name in names]
+            for i, name in enumerate(names):
+                self._check_again(state, i, j, ds[i], name, desc)
+            js.append(j)
+            d.append(ds)
+            r.append([(vs[name] @ totals[name]).item() for name in names])
+            cpu.append(float(info.get("cpu_seconds", math.nan)))
+            measured += 1
+            self._save_helped(js, d, r, cpu)  # every batch: the main process may need it next
+            bar.update()
+        bar.close()
+        log(f"{desc}: measured {measured} batches again ({len(js)} in {self.folder / HELPER})")
+        return measured
+
+    def _check_again(self, state: dict[str, Any], i: int, j: int, got: float, name: str, desc: str) -> None:
+        """A batch measured again must give its first-pass norm (else the cell stops: see the module)."""
+        want = state["d"][i, j]
+        diff = abs(got - want) / max(abs(want), 1e-300)
+        state["max_diff"] = max(float(state["max_diff"]), diff)
+        if not diff <= TOLERANCE:  # NaN included
+            raise RuntimeError(
+                f"{desc}: batch {j} measured again gives ||g||^2 = {got!r} for {name}, against "
+                f"{want!r} the first time (relative difference {diff:.2e} > {TOLERANCE:g}): this "
+                "machine did not repeat the batch, so its sums cannot be completed here; delete "
+                f"{self.folder} to measure the cell again from the start"
+            )
 
     # ------------------------------------------------------------------------------------------------
     @property
@@ -170,7 +239,7 @@ class CellSums:
                 self.stored = int(saved["stored"])
                 self.batches = saved["batches"][: state["n1"]]  # progress is written first: never fewer
                 return state
-        for f in ("grads.npy", "state.npz", "progress.json"):
+        for f in ("grads.npy", "state.npz", "progress.json", HELPER):
             (self.folder / f).unlink(missing_ok=True)
         k = int(self.header["k"])
         self.batches = []
@@ -182,6 +251,35 @@ class CellSums:
             "n2": 0,
             "max_diff": np.float64(0.0),
         }
+
+    def _saved(self) -> dict[str, Any]:
+        """The main process's saved state, read only (a helper never starts or resets a cell)."""
+        state_file = self.folder / "state.npz"
+        if not (self.progress.is_file() and state_file.is_file()):
+            raise ValueError(f"{self.folder}: no saved cell to help (start the main process first)")
+        saved = json.loads(self.progress.read_text())
+        if saved["header"] != self.header:
+            raise ValueError(f"{self.folder}: the saved cell was measured under another header: not helping")
+        self.stored = int(saved["stored"])
+        with np.load(state_file) as z:
+            state = {key: z[key].copy() for key in z.files}
+        state["n1"], state["n2"] = int(state["n1"]), int(state["n2"])
+        return state
+
+    def _main_n2(self) -> int:
+        with np.load(self.folder / "state.npz") as z:
+            return int(z["n2"])
+
+    def _save_helped(self, js: list[int], d: list, r: list, cpu: list[float]) -> None:
+        tmp = self.folder / "helper.tmp.npz"
+        np.savez(
+            tmp,
+            j=np.asarray(js, dtype=np.int64),
+            d=np.asarray(d, dtype=np.float64).reshape(len(js), -1).T,
+            r=np.asarray(r, dtype=np.float64).reshape(len(js), -1).T,
+            cpu=np.asarray(cpu, dtype=np.float64),
+        )
+        tmp.replace(self.folder / HELPER)
 
     def _grads(self, rows: int, dim: int) -> np.ndarray | None:
         if self.stored == 0:
@@ -206,3 +304,27 @@ class CellSums:
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class _Helped:
+    """A helper's second-pass sums (helper.npz), read again whenever the file changes."""
+
+    def __init__(self, path: Path):
+        self.path, self.stamp, self.done = path, None, {}
+
+    def load(self) -> dict[int, tuple[np.ndarray, np.ndarray, float]]:
+        """Batch j -> (d per sum, r per sum, CPU seconds)."""
+        if not self.path.is_file():
+            return {}
+        with np.load(self.path) as z:
+            js, d, r, cpu = z["j"], z["d"], z["r"], z["cpu"]
+        return {int(j): (d[:, n], r[:, n], float(cpu[n])) for n, j in enumerate(js)}
+
+    def get(self, j: int) -> tuple[np.ndarray, np.ndarray, float] | None:
+        try:
+            stamp = self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        if stamp != self.stamp:
+            self.stamp, self.done = stamp, self.load()
+        return self.done.get(j)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import yaml
 
-from studies.cell_sums import BUCKETS, CellSums, batches_that_fit
+from studies.cell_sums import BUCKETS, CellSums, Measure, batches_that_fit
 from studies.experiment import EXPERIMENTS
 from studies.gradstats import RatioInterval, RowSums, sums_nsr, sums_nsr_ratio, sums_variance_ratio
 from studies.inference import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTED, power, scipy_stats
@@ -308,7 +308,7 @@ def vector_labels(study: Study) -> list[str]:
     return [f"{e}/{b}" for e in (study.candidate, study.baseline) for b in BUCKETS]
 
 
-def run_cell(
+def _cell_work(
     study: Study,
     stage: str,
     cell: Cell,
@@ -316,12 +316,9 @@ def run_cell(
     stamp: str,
     scratch: Path,
     threads: int,
-    log: Any = print,
-    store_gb: float | None = None,
-) -> dict[str, Any]:
-    """Measure one cell at its K (resuming its scratch) and return its record. `store_gb`: the disk its
-    batches' gradients may take (default: all but 10 GB of what is free); the batches beyond it are
-    measured again for their sums (`cell_sums`), which changes no number, only the time."""
+    store_gb: float | None,
+) -> tuple[CellSums, Measure]:
+    """One cell's unfinished work in its scratch folder and the measurement of its batch j."""
     model, tokenizer, about = policy
     k, labels = study.k(stage, cell), vector_labels(study)
     dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -339,7 +336,6 @@ def run_cell(
         # a resumed cell's own file counts, as the blocks it holds (a fresh memory map is sparse)
         held = sum(f.stat().st_blocks * 512 for f in folder.glob("grads.npy"))
         store_gb = max(0.0, (shutil.disk_usage(folder).free + held) / 1e9 - 10.0)
-    work = CellSums(folder, header, batches_that_fit(k, len(labels), dim, store_gb))
 
     def measure(j: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         cpu, wall = time.process_time(), time.perf_counter()
@@ -348,6 +344,24 @@ def run_cell(
         info["wall_seconds"] = round(time.perf_counter() - wall, 3)
         return vectors, info
 
+    return CellSums(folder, header, batches_that_fit(k, len(labels), dim, store_gb)), measure
+
+
+def run_cell(
+    study: Study,
+    stage: str,
+    cell: Cell,
+    policy: tuple[Any, Any, dict[str, Any]],
+    stamp: str,
+    scratch: Path,
+    threads: int,
+    log: Any = print,
+    store_gb: float | None = None,
+) -> dict[str, Any]:
+    """Measure one cell at its K (resuming its scratch) and return its record. `store_gb`: the disk its
+    batches' gradients may take (default: all but 10 GB of what is free); the batches beyond it are
+    measured again for their sums (`cell_sums`), which changes no number, only the time."""
+    work, measure = _cell_work(study, stage, cell, policy, stamp, scratch, threads, store_gb)
     started, load = time.perf_counter(), round(os.getloadavg()[0], 2)
     batches, sums, storage = work.run(measure, (study.candidate, study.baseline), log, f"{stage} {cell.name}")
     return {
@@ -355,11 +369,11 @@ def run_cell(
         "stage": stage,
         "cell": {"task": cell.task, "checkpoint": cell.checkpoint, "n": cell.n},
         "protocol": stamp,
-        "k": k,
+        "k": work.header["k"],
         "prompts": int(study.tasks[cell.task]["prompts"]),
         "late_from": int(study.tasks[cell.task]["late_from"]),
         "estimators": [study.candidate, study.baseline],
-        "checkpoint": about,
+        "checkpoint": policy[2],
         "machine": machine(threads).split("; 1-minute load")[0],
         "cpu_flags": cpu_flags(),
         "load_average": [load, round(os.getloadavg()[0], 2)],  # 1-minute, when the cell started and ended
@@ -370,6 +384,22 @@ def run_cell(
         "batches": batches,
         "sums": sums,
     }
+
+
+def help_cell(
+    study: Study,
+    stage: str,
+    cell: Cell,
+    policy: tuple[Any, Any, dict[str, Any]],
+    stamp: str,
+    scratch: Path,
+    threads: int,
+    log: Any = print,
+) -> int:
+    """A second process's share of a cell's second pass, beside the `run_cell` measuring it on this machine
+    (`CellSums.help`): the same numbers, in less wall time. Returns the batches it measured."""
+    work, measure = _cell_work(study, stage, cell, policy, stamp, scratch, threads, None)
+    return work.help(measure, (study.candidate, study.baseline), log, f"{stage} {cell.name} (helper)")
 
 
 # ----------------------------------------------------------------------------------------------------

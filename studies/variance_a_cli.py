@@ -19,6 +19,7 @@ from studies.variance_a import (
     STUDIES,
     Study,
     check_power,
+    help_cell,
     load_policy,
     load_records,
     power_plan,
@@ -51,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--amend", metavar="REASON", help="go on although the protocol changed since it was registered"
     )
+    parser.add_argument(
+        "--helper",
+        action="store_true",
+        help="help the process measuring the one cell of --cells on this machine with its second pass "
+        "(start it once that process's first pass is done, with the same --threads): the same sums in "
+        "less wall time",
+    )
 
 
 def main(args: argparse.Namespace, log: Callable[[str], Any] = print) -> Path:
@@ -64,6 +72,8 @@ def main(args: argparse.Namespace, log: Callable[[str], Any] = print) -> Path:
         raise ValueError(
             f"{study.name}: its pilot is {study.raw['pilot_from']}'s (pilot_from): nothing to run"
         )
+    if getattr(args, "helper", False):
+        return _help(study, stage, args, data, scratch, log)
     if not args.no_run:
         stamp = register_stage(study, data, stage, args.amend)
         if stage == "main" and not args.quick:
@@ -95,3 +105,19 @@ def main(args: argparse.Namespace, log: Callable[[str], Any] = print) -> Path:
     page = write_registered_page(study, results, data)
     log(f"wrote {page}")
     return page
+
+
+def _help(
+    study: Study, stage: str, args: argparse.Namespace, data: Path, scratch: Path, log: Callable[[str], Any]
+) -> Path:
+    """`--helper`: one cell's second pass shared with its main process; writes no record and no page."""
+    cells = [c for c in study.cells() if args.cells and c.name in args.cells.split(",")]
+    if len(cells) != 1 or args.no_run:
+        raise ValueError("--helper: name exactly one cell with --cells (the one its main process measures)")
+    stamp = register_stage(study, data, stage, args.amend)
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    (cell,) = cells
+    policy = load_policy(study, cell.task, cell.checkpoint, data, scratch, log)
+    help_cell(study, stage, cell, policy, stamp, scratch, args.threads, log)
+    return scratch / stage / cell.name

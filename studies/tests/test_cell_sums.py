@@ -1,5 +1,6 @@
 """`cell_sums`: a cell's per-batch sums under a disk budget equal those from all stored gradients, whatever
-the budget, through stops and resumes; a batch that does not repeat stops the cell."""
+the budget, through stops and resumes, with or without a helper process in the second pass; a batch that
+does not repeat stops the cell."""
 
 from __future__ import annotations
 
@@ -127,6 +128,64 @@ def test_a_recomputed_batch_whose_norm_is_nan_stops_the_cell(tmp_path) -> None:
 
     with pytest.raises(RuntimeError, match="did not repeat"):
         _work(tmp_path / "cell", stored=0).run(NaNAgain(), ESTIMATORS, log=lambda _: None)
+
+
+@pytest.mark.parametrize(
+    ("main_stops_after", "helper_stops_after", "helped"),
+    [
+        (10, None, 6),  # main stopped as pass 2 began (saved n2 = 3): the helper does all 6 batches again
+        (10, 2, 2),  # the helper stopped after 9 and 8: the main process measures 4-7 itself
+        (13, None, 4),  # main saved n2 = 6 in pass 2: the helper stops there (9, 8, 7, 6)
+    ],
+)
+def test_a_helper_shares_the_second_pass_and_the_sums_are_the_same(
+    tmp_path, main_stops_after, helper_stops_after, helped
+) -> None:
+    folder = tmp_path / "cell"
+    with pytest.raises(KeyboardInterrupt):
+        _work(folder, stored=4).run(Batches(stop_after=main_stops_after), ESTIMATORS, log=lambda _: None)
+    helper = Batches(stop_after=helper_stops_after)
+    if helper_stops_after is None:
+        assert _work(folder, stored=4).help(helper, ESTIMATORS, log=lambda _: None) == helped
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            _work(folder, stored=4).help(helper, ESTIMATORS, log=lambda _: None)
+    assert helper.calls == helped
+    main = Batches()
+    batches, sums, storage = _work(folder, stored=4).run(main, ESTIMATORS, log=lambda _: None)
+    _close(sums, _reference())
+    assert storage["recomputed_by_helper"] == helped
+    assert storage["recomputed_batches"] == K - 4 and storage["recomputed_max_relative_difference"] == 0.0
+    assert sorted(b["batch"] for b in batches if b.get("measured_again_by_helper"))[-1] == K - 1
+    assert all("cpu_seconds_again" in b for b in batches[4:])
+
+
+def test_a_helper_needs_the_finished_first_pass_of_the_same_cell(tmp_path) -> None:
+    folder = tmp_path / "cell"
+    with pytest.raises(ValueError, match="no saved cell"):
+        _work(folder, stored=4).help(Batches(), ESTIMATORS, log=lambda _: None)
+    with pytest.raises(KeyboardInterrupt):
+        _work(folder, stored=4).run(Batches(stop_after=7), ESTIMATORS, log=lambda _: None)
+    with pytest.raises(ValueError, match="first pass has measured 6 of 10"):
+        _work(folder, stored=4).help(Batches(), ESTIMATORS, log=lambda _: None)
+    other = CellSums(folder, {"protocol": "q", "k": K, "dim": DIM, "labels": LABELS, "weights": "w"}, 4)
+    with pytest.raises(ValueError, match="another header"):
+        other.help(Batches(), ESTIMATORS, log=lambda _: None)
+    assert (folder / "state.npz").is_file()  # a refused helper leaves the cell as it was
+
+
+def test_a_helper_batch_that_does_not_repeat_stops_the_helper(tmp_path) -> None:
+    folder = tmp_path / "cell"
+    with pytest.raises(KeyboardInterrupt):
+        _work(folder, stored=4).run(Batches(stop_after=10), ESTIMATORS, log=lambda _: None)
+
+    class Other(Batches):
+        def __call__(self, j):
+            vectors, info = super().__call__(j)
+            return {k: v * 1.01 for k, v in vectors.items()}, info
+
+    with pytest.raises(RuntimeError, match="did not repeat the batch"):
+        _work(folder, stored=4).help(Other(), ESTIMATORS, log=lambda _: None)
 
 
 def test_batches_that_fit() -> None:

@@ -324,3 +324,12 @@ def test_an_unfinished_study_reads_not_tested_with_its_progress(tmp_path) -> Non
     name = f"{cells[3].task} {cells[3].checkpoint} N={cells[3].n}"
     assert claim.verdict.endswith(f"4 of 8 cells measured; held is out of reach ({name} not below 1)")
     assert "`variance-b`" in claim.measured and "--study variance-b" in claim.command
+
+
+def test_a_helper_names_exactly_one_cell(tmp_path) -> None:
+    from otbrl.app.cli import CliError
+    from studies.cli import main
+
+    for extra in ([], ["--cells", "walk-rl-N4,walk-rl-N8"]):
+        with pytest.raises(CliError, match="exactly one cell"):
+            main(["variance-a", "--study", "variance-b", "--helper", "--results", str(tmp_path), *extra])
