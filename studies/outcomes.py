@@ -418,10 +418,12 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
 
 
 def wall_seconds(record: dict[str, Any]) -> float:
-    """A run's wall time from its record's start and finish stamps (its evaluations included); NaN when
-    the record lacks either."""
+    """A run's wall time from its record's start and finish stamps (its evaluations included): from the
+    start of the attempt that finished (a run started again trains from scratch), or from its first start
+    in records made before attempts were stamped; NaN when the record lacks either."""
     try:
-        start, end = (datetime.fromisoformat(record[k]) for k in ("started", "finished"))
+        start = datetime.fromisoformat(record.get("attempt_started") or record["started"])
+        end = datetime.fromisoformat(record["finished"])
     except (KeyError, TypeError, ValueError):
         return math.nan
     return (end - start).total_seconds()

@@ -314,6 +314,8 @@ def make_record(run: Run, stamp: dict[str, Any]) -> dict[str, Any]:
         # the stamp the run started under; a run that finished before it was stamped stays unstamped
         "protocol": start.get("protocol") or ({} if not started.is_file() else stamp),
         "started": start.get("started"),
+        # this attempt's start: what the run's wall time is measured from (`started` stays the first)
+        "attempt_started": start.get("attempt_started") or start.get("started"),
         "finished": now(),
         "environment": start.get("environment"),
         "summary": json.loads((run.dir / "summary.json").read_text()),
@@ -419,7 +421,7 @@ def execute(
         first = {"protocol": stamp or {}, "started": now()}
         if started.is_file():
             first = json.loads(started.read_text())
-        started.write_text(json.dumps({**first, "environment": env}))
+        started.write_text(json.dumps({**first, "attempt_started": now(), "environment": env}))
         code, failure = _train(recipe, run, shared, gpu.get(id(run), {}))
         if failure:
             failures.append(failure)

@@ -233,6 +233,8 @@ def test_cost_per_run_by_machine_from_the_records_stamps() -> None:
     assert wall_seconds(stamps) == 1830.0
     assert math.isnan(wall_seconds({"started": stamps["started"]}))  # an unfinished stamp: unknown
     assert math.isnan(wall_seconds({"started": "yesterday", "finished": stamps["finished"]}))
+    # a run started again: its wall time is the attempt that finished, not the time since its first start
+    assert wall_seconds({**stamps, "attempt_started": "2026-11-27T10:20:30+00:00"}) == 600.0
 
     def run(where: str, wall: float, train: float) -> dict:
         return {"where": where, "wall_seconds": wall, "train_seconds": train}

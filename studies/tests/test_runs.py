@@ -451,6 +451,8 @@ def test_a_run_started_again_keeps_its_first_start_and_names_where_it_trained(tm
     rec = read_record(record_path(records, run.arm, run.seed))
     assert rec["protocol"] == first["protocol"] and rec["started"] == first["started"]
     assert rec["environment"] == {"device": "cpu", "cpus": 2, "torch": "9.8"}
+    # its wall time counts from this attempt's start, which is after the first one's
+    assert rec["attempt_started"] > rec["started"] and rec["finished"] >= rec["attempt_started"]
 
 
 def test_the_real_environment_names_the_device_and_versions() -> None:
