@@ -215,6 +215,36 @@ def _registered_results(
             ["task", "checkpoint", "source", "reward", "weights"], list(checkpoints.values()), False
         ),
         "",
+        *_second_pass(main),
+    ]
+
+
+def _second_pass(main: dict) -> list[str]:
+    """Cells whose gradients did not all fit on disk: how many batches were measured again (by a helper
+    process too) and how far the re-measured norms moved from the first pass (0: bit for bit)."""
+    rows = [
+        [
+            f"{c.task} {c.checkpoint} N={c.n}",
+            st["stored_batches"],
+            st["recomputed_batches"],
+            st.get("recomputed_by_helper", 0),
+            f"{st['recomputed_max_relative_difference']:.1e}",
+        ]
+        for c, r in main.items()
+        if (st := r.get("storage")) and st["recomputed_batches"]
+    ]
+    if not rows:
+        return []
+    head = ["cell", "kept on disk", "measured again", "of which by a helper", "largest relative difference"]
+    return [
+        "## Cells measured in two passes",
+        "",
+        "Their gradients did not all fit on disk, so the batches beyond the disk's share were measured again "
+        "from their seeds for their sums (`studies/cell_sums.py`; a helper process shares that pass). Each "
+        "re-measured batch must repeat its first-pass norms within 1e-6; the largest relative difference:",
+        "",
+        markdown_table(head, rows, False),
+        "",
     ]
 
 

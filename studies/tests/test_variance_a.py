@@ -333,3 +333,21 @@ def test_a_helper_names_exactly_one_cell(tmp_path) -> None:
     for extra in ([], ["--cells", "walk-rl-N4,walk-rl-N8"]):
         with pytest.raises(CliError, match="exactly one cell"):
             main(["variance-a", "--study", "variance-b", "--helper", "--results", str(tmp_path), *extra])
+
+
+def test_the_page_lists_cells_measured_in_two_passes() -> None:
+    from studies.variance_a_page import _second_pass
+
+    cells = Study.load(variance_a.protocol_path("variance-b")).cells()[:3]
+    two_pass = {"stored_batches": 704, "recomputed_batches": 18700, "recomputed_max_relative_difference": 0.0}
+    main = {
+        cells[0]: {"storage": two_pass},
+        cells[1]: {"storage": {**two_pass, "recomputed_batches": 0}},  # everything fit: not listed
+        cells[2]: {},  # a record from before storage was recorded: not listed
+    }
+    text = "\n".join(_second_pass(main))
+    assert f"| {cells[0].task} {cells[0].checkpoint} N={cells[0].n} | 704 | 18700 | 0 | 0.0e+00 |" in text
+    assert text.count("\n| ") == 2  # the header and one row
+    helped = {**two_pass, "recomputed_by_helper": 4000, "recomputed_max_relative_difference": 2e-9}
+    assert "| 704 | 18700 | 4000 | 2.0e-09 |" in "\n".join(_second_pass({cells[0]: {"storage": helped}}))
+    assert _second_pass({cells[2]: {}}) == []
