@@ -419,14 +419,16 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
 
 def wall_seconds(record: dict[str, Any]) -> float:
     """A run's wall time from its record's start and finish stamps (its evaluations included): from the
-    start of the attempt that finished (a run started again trains from scratch), or from its first start
-    in records made before attempts were stamped; NaN when the record lacks either."""
+    start of the attempt that finished (a run started again from scratch loses the attempts before), or
+    from its first start in records made before attempts were stamped, plus the time each earlier attempt
+    spent up to the checkpoint the run continued from (`resumed`); NaN when the record lacks either."""
     try:
         start = datetime.fromisoformat(record.get("attempt_started") or record["started"])
         end = datetime.fromisoformat(record["finished"])
     except (KeyError, TypeError, ValueError):
         return math.nan
-    return (end - start).total_seconds()
+    earlier = sum(float(r.get("kept_seconds", math.nan)) for r in record.get("resumed", []))
+    return (end - start).total_seconds() + earlier
 
 
 def interval_json(ci: Interval) -> dict[str, float]:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from otbrl.app.checkpoints import resume_checkpoint
 from otbrl.app.gpu_memory import ENV as GPU_SHARE_ENV
 from otbrl.app.gpu_memory import share_env, sized_shares
 from otbrl.app.heldout_cache import ENV as HELDOUT_CACHE_ENV
@@ -197,9 +200,15 @@ def record_path(folder: Path, arm: str, seed: int) -> Path:
     return folder / arm / f"seed{seed}.json.gz"
 
 
+# Overrides that say where a run wrote and how often it saved a checkpoint: no number it reports depends
+# on them (tests/app/test_resume.py), so runs that differ only there are the same run.
+NOT_COMPARED = ("output_dir", "save_steps", "save_total_limit")
+
+
 def comparable(overrides: dict[str, Any]) -> dict[str, Any]:
-    """A run's overrides without where it ran (the same run on another machine has another output_dir)."""
-    return {k: v for k, v in overrides.items() if k != "output_dir"}
+    """A run's overrides without where it ran and when it saved (the same run on another machine has
+    another output_dir; a record made before checkpoints were kept stays the same run)."""
+    return {k: v for k, v in overrides.items() if k not in NOT_COMPARED}
 
 
 def environment() -> dict[str, Any]:
@@ -316,6 +325,8 @@ def make_record(run: Run, stamp: dict[str, Any]) -> dict[str, Any]:
         "started": start.get("started"),
         # this attempt's start: what the run's wall time is measured from (`started` stays the first)
         "attempt_started": start.get("attempt_started") or start.get("started"),
+        # earlier attempts this one continued from their last checkpoint, with the wall time each kept
+        **({"resumed": start["resumed"]} if start.get("resumed") else {}),
         "finished": now(),
         "environment": start.get("environment"),
         "summary": json.loads((run.dir / "summary.json").read_text()),
@@ -329,7 +340,7 @@ def is_done(run: Run) -> bool:
     return (
         (run.dir / "summary.json").is_file()
         and recipe.is_file()
-        and (json.loads(recipe.read_text()) == run.overrides)
+        and comparable(json.loads(recipe.read_text())) == comparable(run.overrides)
     )
 
 
@@ -338,30 +349,69 @@ def has_record(run: Run, records: Path | None) -> bool:
     if records is None:
         return False
     path = record_path(records, run.arm, run.seed)
-    return path.is_file() and read_record(path)["overrides"] == comparable(run.overrides)
+    return path.is_file() and comparable(read_record(path)["overrides"]) == comparable(run.overrides)
 
 
 def _train(
-    recipe: str, run: Run, heldout_cache: Path | None = None, extra_env: dict[str, str] | None = None
+    recipe: str,
+    run: Run,
+    heldout_cache: Path | None = None,
+    extra_env: dict[str, str] | None = None,
+    resume: bool = False,
 ) -> tuple[int, str]:
     """Run `otbrl train` for one run in its own process, its output in the run's train.log; runs given
     the same `heldout_cache` folder share step-0 held-out scores that would be equal (`heldout_cache`);
-    `extra_env` is added to its environment. Returns (exit code, a line that says why it failed, or "")."""
+    `extra_env` is added to its environment; `resume`: from the run's newest complete checkpoint.
+    Returns (exit code, a line that says why it failed, or "")."""
     run.dir.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "otbrl.app.cli", "train", "--config", recipe]
+    args = [sys.executable, "-m", "otbrl.app.cli", "train", "--config", recipe, *(["--resume"] * resume)]
     for key, value in run.overrides.items():
         args += [f"--{key}", json.dumps(value) if isinstance(value, dict | list | bool) else str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": str(run.overrides["threads"]), **(extra_env or {})}
     if heldout_cache is not None:
         env[HELDOUT_CACHE_ENV] = str(heldout_cache)
     log_path = run.dir / "train.log"
-    with log_path.open("w") as out:
+    with log_path.open("a" if resume else "w") as out:  # a resumed run's log keeps its earlier attempts
+        out.flush()
         code = subprocess.call(args, stdout=out, stderr=subprocess.STDOUT, env=env)
     if code == 0:
         (run.dir / "run.json").write_text(json.dumps(run.overrides))
         return code, ""
     tail = log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
     return code, f"{run.arm} seed {run.seed}: exit {code}: {tail[0]} (log: {log_path})"
+
+
+def resume_point(run: Run, before: dict[str, Any], here: dict[str, Any] | None, log: Callable) -> Path | None:
+    """The checkpoint a stopped run continues from: its newest complete one, when the attempt that wrote
+    it (`before`, its started.json) ran on this kind of machine; a run never mixes machines. Checkpoints
+    it cannot continue from are deleted, so that a run started again cannot later resume from them."""
+    found = resume_checkpoint(run.dir, log) if run.dir.is_dir() else None
+    if found is not None and machine_kind(before.get("environment")) != machine_kind(here):
+        log(
+            f"{run.arm} seed {run.seed}: {found.name} was written on another kind of machine "
+            f"({environment_label(before.get('environment'))}): training again from the start"
+        )
+        found = None
+    if found is None:
+        drop_checkpoints(run.dir)
+    return found
+
+
+def drop_checkpoints(folder: Path) -> None:
+    """Delete a run's checkpoint-* directories (about 1.6 GB each for SmolLM2: weights and Adam's state)."""
+    for path in folder.glob("checkpoint-*") if folder.is_dir() else []:
+        if path.is_dir():
+            shutil.rmtree(path)
+
+
+def kept_seconds(checkpoint: Path, before: dict[str, Any]) -> float:
+    """The wall time an earlier attempt spent up to the checkpoint it leaves (the rest of it is lost)."""
+    try:
+        start = datetime.datetime.fromisoformat(before.get("attempt_started") or before["started"])
+    except (KeyError, TypeError, ValueError):
+        return math.nan
+    saved = datetime.datetime.fromtimestamp((checkpoint / "trainer_state.json").stat().st_mtime, datetime.UTC)
+    return max(0.0, (saved - start).total_seconds())
 
 
 def execute(
@@ -416,17 +466,28 @@ def execute(
         start = time.perf_counter()
         run.dir.mkdir(parents=True, exist_ok=True)
         # a run started again keeps the stamp and time it first started under (when the protocol was
-        # registered); it trains from scratch, so where it trains is where this attempt runs
+        # registered); it continues from its last checkpoint when one was written on this kind of
+        # machine, else it trains from scratch, here
         started = run.dir / "started.json"
         first = {"protocol": stamp or {}, "started": now()}
         if started.is_file():
             first = json.loads(started.read_text())
+        checkpoint = resume_point(run, first, env, log)
+        if checkpoint is not None:
+            step = int(checkpoint.name.rpartition("-")[2])
+            kept = {"at": now(), "from_step": step, "kept_seconds": kept_seconds(checkpoint, first)}
+            first["resumed"] = [*first.get("resumed", []), kept]
+            log(f"{run.arm} seed {run.seed}: continues from {checkpoint.name}")
+        else:
+            first.pop("resumed", None)
         started.write_text(json.dumps({**first, "attempt_started": now(), "environment": env}))
-        code, failure = _train(recipe, run, shared, gpu.get(id(run), {}))
+        code, failure = _train(recipe, run, shared, gpu.get(id(run), {}), resume=checkpoint is not None)
         if failure:
             failures.append(failure)
         else:
             keep(run)
+            if records is not None:  # its record holds what the analyses read; checkpoints only resume
+                drop_checkpoints(run.dir)
         if bar is not None:
             bar.set_postfix_str(f"{run.arm} s{run.seed} {time.perf_counter() - start:.0f}s")
             bar.update()

@@ -20,6 +20,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from otbrl.app.answers import completion_text, get_reward
 from otbrl.app.callbacks import PromptLedger, TokenBudgets, metrics_callback, progress_callback
+from otbrl.app.checkpoints import resume_checkpoint
 from otbrl.app.gpu_memory import apply_share, peak_gib
 from otbrl.app.heldout_cache import before_key, cache_folder, cached_score
 from otbrl.app.metrics import read_metrics
@@ -52,36 +53,6 @@ def make_reward(recipe: dict[str, Any]) -> Callable[..., list[float]]:
         task_reward.__name__ = f"{task.name}_reward"
         return task_reward
     return get_reward(recipe["reward"])
-
-
-def checkpoint_problems(path: Path) -> list[str]:
-    """What is missing or torn in a checkpoint directory (empty when it looks complete)."""
-    problems = []
-    state = path / "trainer_state.json"
-    if not state.is_file():
-        problems.append("no trainer_state.json")
-    else:
-        try:
-            json.loads(state.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            problems.append("trainer_state.json is not valid JSON")
-    files = [f for f in path.iterdir() if f.is_file()]
-    if not any(f.suffix in (".safetensors", ".bin") for f in files):
-        problems.append("no model weights")
-    problems += [f"{f.name} is empty" for f in sorted(files) if f.stat().st_size == 0]
-    return problems
-
-
-def resume_checkpoint(out: Path, log: Callable[[str], Any]) -> Path | None:
-    """The newest complete checkpoint-<step> in `out`; newer incomplete ones (a run killed while saving)
-    are reported and skipped."""
-    found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.rpartition("-")[2].isdigit()]
-    for path in sorted(found, key=lambda p: int(p.name.rpartition("-")[2]), reverse=True):
-        problems = checkpoint_problems(path)
-        if not problems:
-            return path
-        log(f"{path.name} is incomplete ({', '.join(problems)}): skipped")
-    return None
 
 
 def reward_failures(metrics: Path) -> int:

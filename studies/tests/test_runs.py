@@ -3,8 +3,10 @@ gate, primary endpoints, censored collapses and the power calculation."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from otbrl.app.metrics import write_metrics
 from studies import inference as power
 from studies import runs
 from studies.experiment import Experiment, load_experiment, plan
-from studies.outcomes import analyse, analyse_rows
+from studies.outcomes import analyse, analyse_rows, wall_seconds
 from studies.pages import read_record, write_record
 from studies.runs import (
     ProtocolChanged,
@@ -78,8 +80,10 @@ def test_protocol_is_registered_once_and_a_change_needs_an_amendment(tmp_path) -
 
 
 def _fake_train(calls: list[str], tokens: float = 100.0, budgets: tuple[int, ...] = (600, 1200)):
-    def train(recipe: str, run: runs.Run, heldout_cache: Path | None = None, env=None) -> tuple[int, str]:
-        calls.append(f"{run.arm}/{run.seed}")
+    def train(
+        recipe: str, run: runs.Run, heldout_cache: Path | None = None, env=None, resume: bool = False
+    ) -> tuple[int, str]:
+        calls.append(f"{run.arm}/{run.seed}" + (" resumed" if resume else ""))
         run.dir.mkdir(parents=True, exist_ok=True)
         rng = random.Random(f"{run.arm}{run.seed}")
         rewards = [0.3 + 0.02 * i + 0.01 * rng.random() for i in range(12)]
@@ -453,6 +457,70 @@ def test_a_run_started_again_keeps_its_first_start_and_names_where_it_trained(tm
     assert rec["environment"] == {"device": "cpu", "cpus": 2, "torch": "9.8"}
     # its wall time counts from this attempt's start, which is after the first one's
     assert rec["attempt_started"] > rec["started"] and rec["finished"] >= rec["attempt_started"]
+
+
+def _checkpoint(folder: Path, step: int, saved: float) -> Path:
+    """A complete-looking checkpoint-<step> whose trainer_state.json was written at time `saved`."""
+    path = folder / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"weights")
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    os.utime(path / "trainer_state.json", (saved, saved))
+    return path
+
+
+@pytest.mark.parametrize("machine", ["same", "other"])
+def test_a_stopped_run_continues_from_its_checkpoint_on_the_same_kind_of_machine(
+    tmp_path, monkeypatch, machine
+) -> None:
+    """A run stopped after a checkpoint continues from it (`otbrl train --resume`) where the stopped attempt
+    ran on this kind of machine; its record says so, with the wall time the stopped attempt kept (start to
+    checkpoint), which its wall time counts. On another kind of machine it trains again from the start and
+    the checkpoint is deleted (a run never mixes machines). A finished run's checkpoints are deleted."""
+    run = plan(load_experiment("walk"), tmp_path)[0]
+    here = {"device": "cpu", "cpus": 2, "cpu_bf16": ["amx_bf16"], "torch": "9.8"}
+    before = here if machine == "same" else {**here, "cpu_bf16": []}
+    started = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    first = {"protocol": {"hash": "h"}, "started": started.isoformat(), "environment": before}
+    run.dir.mkdir(parents=True)
+    (run.dir / "started.json").write_text(json.dumps(first))
+    _checkpoint(run.dir, 4, started.timestamp() + 600.0)
+    torn = run.dir / "checkpoint-8"  # killed while saving: skipped
+    torn.mkdir()
+    (torn / "optimizer.pt").write_bytes(b"")
+    calls: list[str] = []
+    monkeypatch.setattr(runs, "_train", _fake_train(calls))
+    monkeypatch.setattr(runs, "environment", lambda: here)
+    records, said = tmp_path / "records", []
+    runs.execute("walk", "walk", [run], jobs=1, log=said.append, records=records, stamp={"hash": "h"})
+    rec = read_record(record_path(records, run.arm, run.seed))
+    assert not list(run.dir.glob("checkpoint-*"))  # finished: its record is what the analyses read
+    assert rec["started"] == first["started"] and rec["environment"] == here
+    wall = (
+        datetime.datetime.fromisoformat(rec["finished"])
+        - datetime.datetime.fromisoformat(rec["attempt_started"])
+    ).total_seconds()
+    if machine == "same":
+        assert calls == [f"{run.arm}/{run.seed} resumed"]
+        assert [(r["from_step"], r["kept_seconds"]) for r in rec["resumed"]] == [(4, 600.0)]
+        assert wall_seconds(rec) == pytest.approx(wall + 600.0)
+        assert any("continues from checkpoint-4" in line for line in said)
+    else:
+        assert calls == [f"{run.arm}/{run.seed}"] and "resumed" not in rec
+        assert wall_seconds(rec) == pytest.approx(wall)
+        assert any("another kind of machine" in line and "training again" in line for line in said)
+
+
+def test_a_record_made_before_checkpoints_were_kept_is_the_same_run(tmp_path, monkeypatch) -> None:
+    """How often a run saved (save_steps, save_total_limit) is not what it is: a change retrains nothing."""
+    run = plan(load_experiment("walk"), tmp_path)[0]
+    records = tmp_path / "records"
+    monkeypatch.setattr(runs, "_train", _fake_train([]))
+    runs.execute("walk", "walk", [run], jobs=1, log=lambda _: None, records=records, stamp={"hash": "h"})
+    saving = runs.Run(run.arm, run.seed, run.dir, {**run.overrides, "save_steps": 4, "save_total_limit": 1})
+    assert runs.has_record(saving, records) and runs.is_done(saving)
+    other = runs.Run(run.arm, run.seed, run.dir, {**run.overrides, "learning_rate": 0.5})
+    assert not runs.has_record(other, records) and not runs.is_done(other)
 
 
 def test_the_real_environment_names_the_device_and_versions() -> None:
