@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -381,6 +382,11 @@ def _train(
     return code, f"{run.arm} seed {run.seed}: exit {code}: {tail[0]} (log: {log_path})"
 
 
+# A run killed by SIGKILL (the OOM killer when runs side by side peak together) is started again this many
+# times; with checkpoints it continues from its newest one, so a kill costs a few steps.
+KILLED_RETRIES = 2
+
+
 def resume_point(run: Run, before: dict[str, Any], here: dict[str, Any] | None, log: Callable) -> Path | None:
     """The checkpoint a stopped run continues from: its newest complete one, when the attempt that wrote
     it (`before`, its started.json) ran on this kind of machine; a run never mixes machines. Checkpoints
@@ -462,12 +468,10 @@ def execute(
     env = environment() if todo else None
     gpu, jobs = gpu_shares(todo, jobs, records, env, log)
 
-    def one(run: Run) -> None:
-        start = time.perf_counter()
-        run.dir.mkdir(parents=True, exist_ok=True)
-        # a run started again keeps the stamp and time it first started under (when the protocol was
-        # registered); it continues from its last checkpoint when one was written on this kind of
-        # machine, else it trains from scratch, here
+    def attempt(run: Run) -> tuple[int, str]:
+        """One attempt at a run. A run started again keeps the stamp and time it first started under
+        (when the protocol was registered); it continues from its last checkpoint when one was written on
+        this kind of machine, else it trains from scratch, here."""
         started = run.dir / "started.json"
         first = {"protocol": stamp or {}, "started": now()}
         if started.is_file():
@@ -481,7 +485,18 @@ def execute(
         else:
             first.pop("resumed", None)
         started.write_text(json.dumps({**first, "attempt_started": now(), "environment": env}))
-        code, failure = _train(recipe, run, shared, gpu.get(id(run), {}), resume=checkpoint is not None)
+        return _train(recipe, run, shared, gpu.get(id(run), {}), resume=checkpoint is not None)
+
+    def one(run: Run) -> None:
+        start = time.perf_counter()
+        run.dir.mkdir(parents=True, exist_ok=True)
+        code, failure = attempt(run)
+        for _ in range(KILLED_RETRIES):
+            if code != -signal.SIGKILL:
+                break
+            # SIGKILL from outside: on a machine whose memory two runs' peaks can exceed, the OOM killer
+            log(f"{run.arm} seed {run.seed} was killed (SIGKILL: out of memory?): starting it again")
+            code, failure = attempt(run)
         if failure:
             failures.append(failure)
         else:

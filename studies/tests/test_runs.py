@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -509,6 +510,41 @@ def test_a_stopped_run_continues_from_its_checkpoint_on_the_same_kind_of_machine
         assert calls == [f"{run.arm}/{run.seed}"] and "resumed" not in rec
         assert wall_seconds(rec) == pytest.approx(wall)
         assert any("another kind of machine" in line and "training again" in line for line in said)
+
+
+def test_a_run_killed_by_the_os_starts_again_from_its_checkpoint(tmp_path, monkeypatch) -> None:
+    """SIGKILL (the OOM killer) is retried, from the run's newest checkpoint; other failures are not, and a
+    run killed every time is reported, not dropped."""
+    exp_runs = plan(load_experiment("walk"), tmp_path)[:2]
+    here = {"device": "cpu", "cpus": 2, "torch": "9.8"}
+    monkeypatch.setattr(runs, "environment", lambda: here)
+    calls: list[str] = []
+    real = _fake_train(calls)
+    kills = {exp_runs[0].arm: 1, exp_runs[1].arm: runs.KILLED_RETRIES + 1}
+
+    def train(recipe, run, heldout_cache=None, env=None, resume=False):
+        if kills.get(run.arm, 0) > 0 and run.seed == 0:
+            kills[run.arm] -= 1
+            calls.append(f"{run.arm}/{run.seed} killed" + (" resumed" if resume else ""))
+            if not (run.dir / "checkpoint-4").exists():
+                _checkpoint(run.dir, 4, time.time())
+            return -9, f"{run.arm} seed {run.seed}: exit -9"
+        return real(recipe, run, heldout_cache, env, resume)
+
+    monkeypatch.setattr(runs, "_train", train)
+    chosen = [r for r in exp_runs if r.seed == 0]
+    assert len({r.arm for r in chosen}) == 2
+    records, said = tmp_path / "records", []
+    lines = runs.execute(
+        "walk", "walk", chosen, jobs=1, log=said.append, records=records, stamp={"hash": "h"}
+    )
+    first, second = chosen
+    assert calls[:2] == [f"{first.arm}/0 killed", f"{first.arm}/0 resumed"]
+    rec = read_record(record_path(records, first.arm, 0))
+    assert [r["from_step"] for r in rec["resumed"]] == [4]
+    assert calls[2:] == [f"{second.arm}/0 killed"] + [f"{second.arm}/0 killed resumed"] * runs.KILLED_RETRIES
+    assert lines == [f"{second.arm} seed 0: exit -9"] and not record_path(records, second.arm, 0).exists()
+    assert sum("was killed" in line for line in said) == 1 + runs.KILLED_RETRIES
 
 
 def test_a_record_made_before_checkpoints_were_kept_is_the_same_run(tmp_path, monkeypatch) -> None:
