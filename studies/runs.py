@@ -383,8 +383,9 @@ def _train(
 
 
 # A run killed by SIGKILL (the OOM killer when runs side by side peak together) is started again this many
-# times; with checkpoints it continues from its newest one, so a kill costs a few steps.
-KILLED_RETRIES = 2
+# times; with checkpoints it continues from its newest one, so a kill costs a few steps (SmolLM2 runs peak
+# at 10-13 GB each, transiently, in the loss forward and backward: two peaks together pass 23 GiB).
+KILLED_RETRIES = 5
 
 
 def resume_point(run: Run, before: dict[str, Any], here: dict[str, Any] | None, log: Callable) -> Path | None:
