@@ -201,9 +201,10 @@ def record_path(folder: Path, arm: str, seed: int) -> Path:
     return folder / arm / f"seed{seed}.json.gz"
 
 
-# Overrides that say where a run wrote and how often it saved a checkpoint: no number it reports depends
-# on them (tests/app/test_resume.py), so runs that differ only there are the same run.
-NOT_COMPARED = ("output_dir", "save_steps", "save_total_limit")
+# Overrides that say where a run wrote, how often it saved a checkpoint and whether it recomputed its
+# activations in the backward: no number it reports depends on them (tests/app/test_resume.py; on
+# SmolLM2, docs/results/step-memory.md), so runs that differ only there are the same run.
+NOT_COMPARED = ("output_dir", "save_steps", "save_total_limit", "gradient_checkpointing")
 
 
 def comparable(overrides: dict[str, Any]) -> dict[str, Any]:

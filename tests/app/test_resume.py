@@ -60,7 +60,8 @@ def _rows(out) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Four steps without a checkpoint; saving every second step; saving every step, keeping the newest
-    checkpoint only; and the second run's
+    checkpoint only; with gradient checkpointing (activations recomputed in the backward); and the second
+    run's
     checkpoint-2 continued to step 4 in a copy of its directory, as if the process had been killed there."""
     tmp = tmp_path_factory.mktemp("resume")
     threads = torch.get_num_threads()
@@ -70,6 +71,7 @@ def runs(tmp_path_factory):
         _train(tmp / "plain", save_steps=1000)
         _train(tmp / "saving", save_steps=2)
         _train(tmp / "limited", save_steps=1, save_total_limit=1)
+        _train(tmp / "recomputed", save_steps=1000, gradient_checkpointing=True)
         cut = tmp / "cut"
         shutil.copytree(tmp / "saving" / "checkpoint-2", cut / "checkpoint-2")
         (cut / "metrics.jsonl").write_text(
@@ -87,13 +89,13 @@ def _weights(folder) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "final" / "model.safetensors"))
 
 
-def test_saving_checkpoints_changes_no_number(runs) -> None:
+def test_saving_checkpoints_and_checkpointing_activations_change_no_number(runs) -> None:
     plain = runs / "plain"
     assert [p.name for p in plain.glob("checkpoint-*")] == ["checkpoint-4"]  # the Trainer saves at its end
     assert sorted(p.name for p in (runs / "saving").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert [p.name for p in (runs / "limited").glob("checkpoint-*")] == ["checkpoint-4"]  # save_total_limit
     a = _weights(plain)
-    for other in ("saving", "limited"):
+    for other in ("saving", "limited", "recomputed"):  # recomputed: activations checkpointed, not kept
         b = _weights(runs / other)
         assert a.keys() == b.keys()
         for name in a:
