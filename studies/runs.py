@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from otbrl.app.checkpoints import resume_checkpoint
+from otbrl.app.checkpoints import checkpoint_step, resume_checkpoint
 from otbrl.app.gpu_memory import ENV as GPU_SHARE_ENV
 from otbrl.app.gpu_memory import share_env, sized_shares
 from otbrl.app.heldout_cache import ENV as HELDOUT_CACHE_ENV
@@ -374,7 +374,6 @@ def _train(
         env[HELDOUT_CACHE_ENV] = str(heldout_cache)
     log_path = run.dir / "train.log"
     with log_path.open("a" if resume else "w") as out:  # a resumed run's log keeps its earlier attempts
-        out.flush()
         code = subprocess.call(args, stdout=out, stderr=subprocess.STDOUT, env=env)
     if code == 0:
         (run.dir / "run.json").write_text(json.dumps(run.overrides))
@@ -480,8 +479,11 @@ def execute(
             first = json.loads(started.read_text())
         checkpoint = resume_point(run, first, env, log)
         if checkpoint is not None:
-            step = int(checkpoint.name.rpartition("-")[2])
-            kept = {"at": now(), "from_step": step, "kept_seconds": kept_seconds(checkpoint, first)}
+            kept = {
+                "at": now(),
+                "from_step": checkpoint_step(checkpoint),
+                "kept_seconds": kept_seconds(checkpoint, first),
+            }
             first["resumed"] = [*first.get("resumed", []), kept]
             log(f"{run.arm} seed {run.seed}: continues from {checkpoint.name}")
         else:

@@ -31,9 +31,14 @@ def resume_checkpoint(out: Path, log: Callable[[str], Any]) -> Path | None:
     """The newest complete checkpoint-<step> in `out`; newer incomplete ones (a run killed while saving)
     are reported and skipped."""
     found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.rpartition("-")[2].isdigit()]
-    for path in sorted(found, key=lambda p: int(p.name.rpartition("-")[2]), reverse=True):
+    for path in sorted(found, key=checkpoint_step, reverse=True):
         problems = checkpoint_problems(path)
         if not problems:
             return path
         log(f"{path.name} is incomplete ({', '.join(problems)}): skipped")
     return None
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a `checkpoint-<step>` directory was saved at."""
+    return int(path.name.rpartition("-")[2])
