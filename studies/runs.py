@@ -41,6 +41,8 @@ from otbrl.app.gpu_memory import ENV as GPU_SHARE_ENV
 from otbrl.app.gpu_memory import share_env, sized_shares
 from otbrl.app.heldout_cache import ENV as HELDOUT_CACHE_ENV
 from otbrl.app.metrics import read_metrics
+from otbrl.app.recipe import read_recipe
+from otbrl.app.sources import model_problem
 from studies.pages import read_record, write_record
 
 try:  # a progress bar where tqdm is installed (it comes with otbrl[trl]); plain log lines otherwise
@@ -421,6 +423,24 @@ def kept_seconds(checkpoint: Path, before: dict[str, Any]) -> float:
     return max(0.0, (saved - start).total_seconds())
 
 
+MODEL_KEYS = ("model", "model_fallback", "model_revision")
+
+
+def missing_models(recipe: str, runs: list[Run]) -> dict[str, list[Run]]:
+    """The runs whose model this machine cannot load, by the reason (`model_problem`, asked once per model
+    the runs name): a missing model package would otherwise fail every run in turn, each after its start."""
+    found: dict[tuple, str | None] = {}
+    out: dict[str, list[Run]] = {}
+    for run in runs:
+        model = {k: run.overrides[k] for k in MODEL_KEYS if k in run.overrides}
+        key = tuple(sorted((k, str(v)) for k, v in model.items()))
+        if key not in found:
+            found[key] = model_problem(read_recipe(recipe, model))
+        if found[key]:
+            out.setdefault(found[key], []).append(run)
+    return out
+
+
 def execute(
     name: str,
     recipe: str,
@@ -460,6 +480,14 @@ def execute(
         why = {id(r): seed_elsewhere(r, records, here) for r in todo}
         refused = [w for w in why.values() if w]
         todo = [r for r in todo if not why[id(r)]]
+    missing = missing_models(recipe, todo)
+    if missing:  # each would fail on its first line: said once, before any starts
+        refused += [
+            f"{problem}: not started: {', '.join(f'{r.arm} seed {r.seed}' for r in which)}"
+            for problem, which in missing.items()
+        ]
+        todo = [r for r in todo if not any(r in which for which in missing.values())]
+        log("\n".join(refused[-len(missing) :]))
     failures: list[str] = []
     bar = tqdm(total=len(todo), desc=f"{name} runs", unit="run") if tqdm is not None else None
 

@@ -194,9 +194,9 @@ def coerce(key: str, value: Any) -> Any:
 # Loading and checking a recipe.
 
 
-def load_recipe(config: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Read a recipe file (or a packaged recipe by name), apply overrides, read every value as its
-    field's type and check ranges and cross-field rules (ValueError naming the key)."""
+def read_recipe(config: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A recipe file (or a packaged recipe by name) with `overrides` applied, as written: no defaults, no
+    types read, nothing checked (`load_recipe` does that; this is for a look at a few keys)."""
     path = Path(config)
     if not path.is_file():
         path = RECIPES / f"{config}.yaml"
@@ -212,6 +212,13 @@ def load_recipe(config: str, overrides: dict[str, Any] | None = None) -> dict[st
     if overrides.get("task") and "dataset" not in overrides:
         recipe.pop("dataset", None)
     recipe.update(overrides)
+    return recipe
+
+
+def load_recipe(config: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read a recipe file (or a packaged recipe by name), apply overrides, read every value as its
+    field's type and check ranges and cross-field rules (ValueError naming the key)."""
+    recipe = read_recipe(config, overrides)
     _, _, defaults = _schema()
     known = set(defaults)
     for key in recipe:

@@ -303,6 +303,21 @@ def choose_model(recipe: dict[str, Any], log: Callable[[str], Any]) -> dict[str,
     return {**recipe, "model": fallback}
 
 
+def model_problem(recipe: dict[str, Any]) -> str | None:
+    """Why this machine cannot load the recipe's model, found without loading it (None: no problem that a
+    look can find): the source `choose_model` picks is a GGUF file, a packaged file or a folder that is not
+    there. A runner asks before it starts many runs, each of which would fail on the same missing model."""
+    try:
+        chosen = str(choose_model(recipe, lambda _: None)["model"])
+        if chosen.startswith("random:") or gguf_file(chosen) is not None:
+            return None
+    except ValueError as err:
+        return str(err)
+    if chosen.startswith((".", "/", "~")) and not Path(chosen).expanduser().exists():
+        return f"model: {chosen}: no such folder"
+    return None
+
+
 def _init_kwargs(recipe: dict[str, Any]) -> dict[str, Any]:
     init = recipe.get("model_init_kwargs") or {}
     return json.loads(init) if isinstance(init, str) else dict(init)

@@ -559,6 +559,34 @@ def test_a_record_made_before_checkpoints_were_kept_is_the_same_run(tmp_path, mo
     assert not runs.has_record(other, records) and not runs.is_done(other)
 
 
+def test_runs_whose_model_is_missing_are_refused_once_before_any_starts(tmp_path, monkeypatch) -> None:
+    """A model package that is not installed fails every run on its first line; the runner says so once,
+    starts none of them, and still runs the runs whose model is there."""
+    chosen = [r for r in plan(load_experiment("walk"), tmp_path) if r.seed == 0][:3]
+    missing = {"model": "package:otbrl_no_such_package/model.gguf"}
+    chosen[0] = runs.Run(chosen[0].arm, 0, chosen[0].dir, {**chosen[0].overrides, **missing})
+    chosen[1] = runs.Run(chosen[1].arm, 0, chosen[1].dir, {**chosen[1].overrides, **missing})
+    calls: list[str] = []
+    monkeypatch.setattr(runs, "_train", _fake_train(calls))
+    said: list[str] = []
+    lines = runs.execute("walk", "walk", chosen, jobs=1, log=said.append, records=tmp_path / "records")
+    assert calls == [f"{chosen[2].arm}/0"]  # only the run whose model loads was started
+    assert len(lines) == 1 and "'otbrl_no_such_package' is not installed" in lines[0]
+    assert f"{chosen[0].arm} seed 0" in lines[0] and f"{chosen[1].arm} seed 0" in lines[0]
+    assert lines[0] in said and not chosen[0].dir.exists()
+
+
+def test_model_problem_names_what_is_missing(tmp_path) -> None:
+    from otbrl.app.sources import model_problem
+
+    assert model_problem({"model": "random:tiny"}) is None
+    assert "no such folder" in model_problem({"model": str(tmp_path / "gone")})
+    assert "no such GGUF file" in model_problem({"model": str(tmp_path / "m.gguf")})
+    assert "has no file" in model_problem({"model": "package:otbrl/none.gguf"})
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert model_problem({"model": str(tmp_path / "m.gguf")}) is None
+
+
 def test_the_real_environment_names_the_device_and_versions() -> None:
     env = runs.environment()
     assert env["device"] and env["torch"] and env["cpus"] >= 1
