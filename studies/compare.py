@@ -681,6 +681,12 @@ def _pick_score(data: tuple[list[dict[str, Any]], dict[str, Any]], by_heldout: b
     return pilot_score(rows)
 
 
+def _seeds_run(data: list[Any]) -> str:
+    """A pilot cell whose seeds have not all run: how many have (no mean of the first ones)."""
+    done = sum(d is not None for d in data)
+    return f"{done} of {len(data)} seeds run" if done else "not run"
+
+
 def _gain(summary: dict[str, Any]) -> float | None:
     before, after = summary.get("held-out reward before"), summary.get("held-out reward after")
     return None if before is None or after is None else after - before
@@ -711,7 +717,9 @@ def picks_and_gate(
             for lr, ds in data.items()
             if ds and all(d is not None for d in ds)
         }
-        cells = [f"{scores[lr]:.3f}" if lr in scores else "not run" if lr in data else "—" for lr in lrs]
+        cells = [
+            f"{scores[lr]:.3f}" if lr in scores else _seeds_run(data[lr]) if lr in data else "—" for lr in lrs
+        ]
         if len(scores) < len(data) or not scores:  # a pick needs every rate of the arm's grid
             score_rows.append([arm, *cells, "pending"])
             if gate is not None:
@@ -789,23 +797,31 @@ def pilot_grids(
     exp: Experiment, runs: list[Run], records: Path | None
 ) -> tuple[list[list[Any]], list[list[Any]]]:
     """Per arm and rate, for reading the pilot (not for its rule): the held-out gain from step 0 to the
-    end of the run, and the within-group length CV averaged over every step of the run."""
+    end of the run, and the within-group length CV averaged over every step of the run, each averaged
+    over the pilot's seeds as the rule averages its score; a cell with some seeds still to run says how
+    many have run, not a mean of the first ones."""
     lrs = sorted({r.overrides["learning_rate"] for r in runs})
     gains, cvs = [], []
     for arm in exp.arms:
-        mine = {
-            r.overrides["learning_rate"]: _run_data(r, records) for r in runs if r.arm.startswith(arm + "@")
-        }
         g, c = [arm], [arm]
         for lr in lrs:
-            d = mine.get(lr, "—")
-            if d is None or d == "—":
-                g.append("not run" if d is None else "—")
+            mine = [r for r in runs if r.arm.startswith(arm + "@") and r.overrides["learning_rate"] == lr]
+            data = [_run_data(r, records) for r in mine]
+            if not data or None in data:
+                g.append(_seeds_run(data) if data else "—")
                 c.append(g[-1])
                 continue
-            g.append(_fmt(_gain(d[1]), sign=True))
-            values = [row["otb/horizon/length_cv"] for row in d[0] if "otb/horizon/length_cv" in row]
-            c.append(_fmt(statistics.fmean(values)) if values else "—")
+            per_run = [_gain(d[1]) for d in data]
+            g.append(_fmt(None if None in per_run else statistics.fmean(per_run), sign=True))
+            run_cvs = [
+                statistics.fmean(values)
+                for values in (
+                    [row["otb/horizon/length_cv"] for row in d[0] if "otb/horizon/length_cv" in row]
+                    for d in data
+                )
+                if values
+            ]
+            c.append(_fmt(statistics.fmean(run_cvs)) if len(run_cvs) == len(data) else "—")
         gains.append(g)
         cvs.append(c)
     return gains, cvs
@@ -1034,15 +1050,18 @@ def pilot_page(
         pilot_rule(exp),
         grid,
     ]
-    first = [r for r in runs if r.seed == pilot_seeds(exp)[0]]  # the grids and curves read one seed
-    gains, cvs = pilot_grids(exp, first, records)
+    first = [r for r in runs if r.seed == pilot_seeds(exp)[0]]  # the curves read one seed
+    gains, cvs = pilot_grids(exp, runs, records)
     head = ["arm", *(f"lr {lr}" for lr in lrs)]
+    seeds = pilot_seeds(exp)
+    over = f"on {_pilot_seeds_text(exp)}" if len(seeds) == 1 else f"the mean over {_pilot_seeds_text(exp)}"
     parts += [
-        "Held-out gain of each pilot run (held-out reward at the end of its budget minus at step 0, same "
-        "prompts), for reading the pilot; the gate reads it at each arm's pick:\n\n"
+        "Held-out gain of each arm and rate (held-out reward at the end of its budget minus at step 0, same "
+        f"prompts), {over}, for reading the pilot; the gate reads it at each arm's pick:\n\n"
         + markdown_table(head, gains, aligned=False),
-        "Within-group length CV of each pilot run, averaged over every step (the phenomenon must hold over "
-        f"whole runs: {', '.join(f'{k} ≥ {v:g}' for k, v in exp.phenomenon.items()) or 'no floor set'}):\n\n"
+        "Within-group length CV of each arm and rate, averaged over every step of a run, "
+        f"{over} (the phenomenon must hold over whole runs: "
+        f"{', '.join(f'{k} ≥ {v:g}' for k, v in exp.phenomenon.items()) or 'no floor set'}):\n\n"
         + markdown_table(head, cvs, aligned=False),
     ]
     reg = registration(records) if records is not None else None

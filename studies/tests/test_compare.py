@@ -20,6 +20,7 @@ from studies.compare import (  # noqa: E402
     events,
     picks_and_gate,
     pilot,
+    pilot_grids,
     pilot_page,
     table,
 )
@@ -626,3 +627,27 @@ def test_the_pilot_gate_can_ask_for_the_gap_claim_b_needs(tmp_path) -> None:
     )
     with pytest.raises(ValueError, match="gap larger"):
         load_experiment(str(bad))
+
+
+def test_the_pilot_grids_average_every_pilot_seed_and_say_which_are_still_to_run(tmp_path) -> None:
+    """The reading grids follow the rule: each cell is the mean over the pilot's seeds (not one seed's
+    run); a rate with some seeds still to run says how many have, with no mean of the first ones."""
+    pilot = {"seed": 9, "seeds": [9, 10], "pick": "heldout", "learning_rates": [1e-4, 3e-4]}
+    exp = Experiment(name="t", recipe="demo", arms={"a": {}}, seeds=[0], smooth=1, pilot=pilot)
+    runs = []
+    for lr, afters in ((1e-4, [0.40, 0.50]), (3e-4, [0.60, None])):
+        for seed, after in zip((9, 10), afters, strict=True):
+            run = _fake_run(tmp_path, f"a@{lr:g}", seed, [0.3] * 4, 10)
+            run.overrides["learning_rate"] = lr
+            if after is None:
+                (run.dir / "summary.json").unlink()
+            else:
+                (run.dir / "summary.json").write_text(
+                    json.dumps({"held-out reward after": after, "held-out reward before": 0.3})
+                )
+            runs.append(run)
+    gains, cvs = pilot_grids(exp, runs, None)
+    assert gains == [["a", "+0.150", "1 of 2 seeds run"]]  # (0.10 + 0.20) / 2; not 0.30 from seed 9 alone
+    assert cvs == [["a", "0.500", "1 of 2 seeds run"]]
+    scores = picks_and_gate(exp, runs, None)[1]
+    assert scores == [["a", "0.450", "1 of 2 seeds run", "pending"]]
