@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -259,6 +260,51 @@ def machine_kind(env: dict[str, Any] | None) -> tuple | None:
     if not env:
         return None
     return tuple(json.dumps(env.get(k), sort_keys=True) for k in MACHINE_KEYS)
+
+
+STEP0_SCORES = "step0-scores.json"
+
+
+def kind_id(env: dict[str, Any]) -> str:
+    """A short name for a kind of machine (`machine_kind`)."""
+    return hashlib.sha256(json.dumps(machine_kind(env)).encode()).hexdigest()[:12]
+
+
+def seed_step0_cache(cache: Path, records: Path | None, env: dict[str, Any]) -> int:
+    """Put the step-0 held-out scores committed beside `records` by earlier runs on this kind of machine
+    into the runs' shared cache folder (`otbrl.app.heldout_cache`), so that a seed's first run in a new
+    checkout reuses its step-0 score instead of sampling 1,024 completions again (28 CPU minutes for
+    SmolLM2). A score is found only under its key, which hashes the weights' bytes, the prompts, the
+    sampling settings, threads and versions; scores from another kind of machine are not offered. Returns
+    how many were added."""
+    if records is None or not (records / STEP0_SCORES).is_file():
+        return 0
+    scores = json.loads((records / STEP0_SCORES).read_text()).get(kind_id(env), {}).get("scores", {})
+    cache.mkdir(parents=True, exist_ok=True)
+    added = 0
+    for key, score in scores.items():
+        if not (cache / f"{key}.json").is_file():
+            (cache / f"{key}.json").write_text(json.dumps({"score": score}))
+            added += 1
+    return added
+
+
+def keep_step0_scores(cache: Path, records: Path, env: dict[str, Any]) -> None:
+    """Add the step-0 scores in the runs' cache folder to `records/step0-scores.json`, under this kind of
+    machine (`kind_id`), for later checkouts of the experiment (`seed_step0_cache`)."""
+    path = records / STEP0_SCORES
+    before = path.read_text() if path.is_file() else "{}"
+    known = json.loads(before)
+    mine = known.setdefault(kind_id(env), {"machine": {k: env.get(k) for k in MACHINE_KEYS}, "scores": {}})
+    for entry in sorted(cache.glob("*.json")) if cache.is_dir() else []:
+        try:
+            mine["scores"][entry.stem] = float(json.loads(entry.read_text())["score"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # torn by a killed run: its run computes it again
+    text = json.dumps(known, indent=1, sort_keys=True) + "\n"
+    if mine["scores"] and text != before:
+        records.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
 def seed_elsewhere(run: Run, records: Path | None, here: dict[str, Any]) -> str:
@@ -496,6 +542,13 @@ def execute(
 
     env = environment() if todo else None
     gpu, jobs = gpu_shares(todo, jobs, records, env, log)
+    if shared is not None and env is not None:
+        reused = seed_step0_cache(shared, records, env)
+        if reused:
+            log(
+                f"{name}: {reused} step-0 held-out scores from {records / STEP0_SCORES} (this machine's kind)"
+            )
+    lock = threading.Lock()
 
     def attempt(run: Run) -> tuple[int, str]:
         """One attempt at a run. A run started again keeps the stamp and time it first started under
@@ -535,6 +588,8 @@ def execute(
             keep(run)
             if records is not None:  # its record holds what the analyses read; checkpoints only resume
                 drop_checkpoints(run.dir)
+                with lock:  # written beside the records, committed with them
+                    keep_step0_scores(shared, records, env)
         if bar is not None:
             bar.set_postfix_str(f"{run.arm} s{run.seed} {time.perf_counter() - start:.0f}s")
             bar.update()

@@ -587,6 +587,46 @@ def test_model_problem_names_what_is_missing(tmp_path) -> None:
     assert model_problem({"model": str(tmp_path / "m.gguf")}) is None
 
 
+def test_step0_scores_are_committed_and_reused_by_a_new_checkout_on_the_same_kind_of_machine(
+    tmp_path, monkeypatch
+) -> None:
+    """A run's step-0 score (the shared cache entry `otbrl train` writes) is kept beside the records under
+    its machine's kind; a new checkout of the same kind finds it in its cache before the seed's first run
+    there; another kind of machine is not offered it."""
+    chosen = [r for r in plan(load_experiment("walk"), tmp_path / "a") if r.seed == 0][:2]
+    records = tmp_path / "records"
+    seen: list[bool] = []
+
+    def train(recipe, run, heldout_cache=None, env=None, resume=False):
+        entry = heldout_cache / "k0.json"
+        seen.append(entry.is_file())
+        if not entry.is_file():
+            heldout_cache.mkdir(parents=True, exist_ok=True)
+            entry.write_text(json.dumps({"score": 0.25}))
+        return _fake_train([])(recipe, run, heldout_cache, env, resume)
+
+    here = {"device": "cpu", "cpus": 2, "cpu_bf16": [], "machine": "x86_64", "torch": "9.8"}
+    monkeypatch.setattr(runs, "environment", lambda: here)
+    monkeypatch.setattr(runs, "_train", train)
+    runs.execute("walk", "walk", chosen[:1], jobs=1, log=lambda _: None, records=records)
+    assert seen == [False]
+    kept = json.loads((records / runs.STEP0_SCORES).read_text())
+    assert kept[runs.kind_id(here)]["scores"] == {"k0": 0.25}
+    assert kept[runs.kind_id(here)]["machine"]["torch"] == "9.8"
+
+    fresh = [runs.Run(r.arm, r.seed, tmp_path / "b" / r.arm / "seed0", r.overrides) for r in chosen[1:]]
+    said: list[str] = []
+    runs.execute("walk", "walk", fresh, jobs=1, log=said.append, records=records)
+    assert seen == [False, True] and any("1 step-0 held-out scores" in line for line in said)
+
+    monkeypatch.setattr(runs, "environment", lambda: {**here, "cpu_bf16": ["amx_bf16"]})
+    seed1 = next(r for r in plan(load_experiment("walk"), tmp_path / "c") if r.seed == 1)
+    other = [runs.Run(seed1.arm, 1, seed1.dir, seed1.overrides)]
+    runs.execute("walk", "walk", other, jobs=1, log=lambda _: None, records=records)
+    assert seen == [False, True, False]  # another kind computes its own, and keeps it under its kind
+    assert len(json.loads((records / runs.STEP0_SCORES).read_text())) == 2
+
+
 def test_the_real_environment_names_the_device_and_versions() -> None:
     env = runs.environment()
     assert env["device"] and env["torch"] and env["cpus"] >= 1
