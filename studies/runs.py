@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from otbrl.app.checkpoints import checkpoint_step, resume_checkpoint
+from otbrl.app.config import RECIPE_DEFAULTS
 from otbrl.app.gpu_memory import ENV as GPU_SHARE_ENV
 from otbrl.app.gpu_memory import share_env, sized_shares
 from otbrl.app.heldout_cache import ENV as HELDOUT_CACHE_ENV
@@ -237,6 +238,7 @@ def environment() -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "cpus": os.cpu_count(),
         "cpu_bf16": sorted(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()),
+        "cpu_capability": None if cuda else torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...
         "machine": platform.machine(),
         "python": platform.python_version(),
         **{name: ver(name) for name in ("torch", "transformers", "trl", "otbrl")},
@@ -262,49 +264,61 @@ def machine_kind(env: dict[str, Any] | None) -> tuple | None:
     return tuple(json.dumps(env.get(k), sort_keys=True) for k in MACHINE_KEYS)
 
 
-STEP0_SCORES = "step0-scores.json"
+STEP0_SCORES = "step0-scores"  # a folder beside the records: one file per kind of machine
 
 
-def kind_id(env: dict[str, Any]) -> str:
-    """A short name for a kind of machine (`machine_kind`)."""
-    return hashlib.sha256(json.dumps(machine_kind(env)).encode()).hexdigest()[:12]
+def step0_file(records: Path, env: dict[str, Any]) -> Path:
+    """Where the step-0 scores of `env`'s kind of machine are kept beside `records`: its `machine_kind`
+    and CPU vector level (two CPUs of one kind by flags may still sample differently), hashed. One file a
+    kind, so that machines sharing an experiment never edit the same file."""
+    kind = [*(machine_kind(env) or ()), env.get("cpu_capability")]
+    return records / STEP0_SCORES / f"{hashlib.sha256(json.dumps(kind).encode()).hexdigest()[:12]}.json"
+
+
+def _read_scores(path: Path) -> dict[str, Any]:
+    try:
+        known = json.loads(path.read_text())
+        return known if isinstance(known, dict) and isinstance(known.get("scores"), dict) else {}
+    except (OSError, ValueError):
+        return {}  # absent or torn: the runs compute their scores again
 
 
 def seed_step0_cache(cache: Path, records: Path | None, env: dict[str, Any]) -> int:
     """Put the step-0 held-out scores committed beside `records` by earlier runs on this kind of machine
     into the runs' shared cache folder (`otbrl.app.heldout_cache`), so that a seed's first run in a new
     checkout reuses its step-0 score instead of sampling 1,024 completions again (28 CPU minutes for
-    SmolLM2). A score is found only under its key, which hashes the weights' bytes, the prompts, the
-    sampling settings, threads and versions; scores from another kind of machine are not offered. Returns
-    how many were added."""
-    if records is None or not (records / STEP0_SCORES).is_file():
+    smollm2c). A score is found only under its key, which hashes the weights' bytes, the prompts, the
+    sampling settings, threads and versions; scores from another kind of machine are not offered. As with
+    the arms of a seed in one checkout, a reused score is the one every arm of the seed is paired on.
+    Returns how many were added."""
+    if records is None:
         return 0
-    scores = json.loads((records / STEP0_SCORES).read_text()).get(kind_id(env), {}).get("scores", {})
     cache.mkdir(parents=True, exist_ok=True)
     added = 0
-    for key, score in scores.items():
+    for key, score in _read_scores(step0_file(records, env)).get("scores", {}).items():
         if not (cache / f"{key}.json").is_file():
-            (cache / f"{key}.json").write_text(json.dumps({"score": score}))
+            (cache / f"{key}.json").write_text(json.dumps({"score": float(score)}))
             added += 1
     return added
 
 
 def keep_step0_scores(cache: Path, records: Path, env: dict[str, Any]) -> None:
-    """Add the step-0 scores in the runs' cache folder to `records/step0-scores.json`, under this kind of
-    machine (`kind_id`), for later checkouts of the experiment (`seed_step0_cache`)."""
-    path = records / STEP0_SCORES
-    before = path.read_text() if path.is_file() else "{}"
-    known = json.loads(before)
-    mine = known.setdefault(kind_id(env), {"machine": {k: env.get(k) for k in MACHINE_KEYS}, "scores": {}})
+    """Add the step-0 scores in the runs' cache folder (this checkout's, under runs/, computed here) to
+    this kind of machine's file beside `records` (`step0_file`), for later checkouts of the experiment
+    (`seed_step0_cache`). The file is replaced whole (a kill leaves the old one)."""
+    path = step0_file(records, env)
+    known = _read_scores(path) or {"machine": {k: env.get(k) for k in (*MACHINE_KEYS, "cpu_capability")}}
+    scores = dict(known.get("scores", {}))
     for entry in sorted(cache.glob("*.json")) if cache.is_dir() else []:
         try:
-            mine["scores"][entry.stem] = float(json.loads(entry.read_text())["score"])
+            scores[entry.stem] = float(json.loads(entry.read_text())["score"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # torn by a killed run: its run computes it again
-    text = json.dumps(known, indent=1, sort_keys=True) + "\n"
-    if mine["scores"] and text != before:
-        records.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    if scores and scores != known.get("scores"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**known, "scores": scores}, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
 
 
 def seed_elsewhere(run: Run, records: Path | None, here: dict[str, Any]) -> str:
@@ -481,7 +495,7 @@ def missing_models(recipe: str, runs: list[Run]) -> dict[str, list[Run]]:
         model = {k: run.overrides[k] for k in MODEL_KEYS if k in run.overrides}
         key = tuple(sorted((k, str(v)) for k, v in model.items()))
         if key not in found:
-            found[key] = model_problem(read_recipe(recipe, model))
+            found[key] = model_problem({"model": RECIPE_DEFAULTS["model"], **read_recipe(recipe, model)})
         if found[key]:
             out.setdefault(found[key], []).append(run)
     return out
@@ -546,7 +560,8 @@ def execute(
         reused = seed_step0_cache(shared, records, env)
         if reused:
             log(
-                f"{name}: {reused} step-0 held-out scores from {records / STEP0_SCORES} (this machine's kind)"
+                f"{name}: {reused} step-0 held-out scores of this kind of machine "
+                f"from {step0_file(records, env)}"
             )
     lock = threading.Lock()
 

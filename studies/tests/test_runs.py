@@ -574,6 +574,9 @@ def test_runs_whose_model_is_missing_are_refused_once_before_any_starts(tmp_path
     assert len(lines) == 1 and "'otbrl_no_such_package' is not installed" in lines[0]
     assert f"{chosen[0].arm} seed 0" in lines[0] and f"{chosen[1].arm} seed 0" in lines[0]
     assert lines[0] in said and not chosen[0].dir.exists()
+    bare = tmp_path / "bare.yaml"  # no model key: the default model, which needs nothing installed
+    bare.write_text("task: walk\n")
+    assert runs.missing_models(str(bare), chosen[2:]) == {}
 
 
 def test_model_problem_names_what_is_missing(tmp_path) -> None:
@@ -610,21 +613,22 @@ def test_step0_scores_are_committed_and_reused_by_a_new_checkout_on_the_same_kin
     monkeypatch.setattr(runs, "_train", train)
     runs.execute("walk", "walk", chosen[:1], jobs=1, log=lambda _: None, records=records)
     assert seen == [False]
-    kept = json.loads((records / runs.STEP0_SCORES).read_text())
-    assert kept[runs.kind_id(here)]["scores"] == {"k0": 0.25}
-    assert kept[runs.kind_id(here)]["machine"]["torch"] == "9.8"
+    kept = json.loads(runs.step0_file(records, here).read_text())
+    assert kept["scores"] == {"k0": 0.25} and kept["machine"]["torch"] == "9.8"
 
     fresh = [runs.Run(r.arm, r.seed, tmp_path / "b" / r.arm / "seed0", r.overrides) for r in chosen[1:]]
     said: list[str] = []
     runs.execute("walk", "walk", fresh, jobs=1, log=said.append, records=records)
-    assert seen == [False, True] and any("1 step-0 held-out scores" in line for line in said)
+    assert seen == [False, True] and any("1 step-0 held-out scores of this kind" in line for line in said)
 
     monkeypatch.setattr(runs, "environment", lambda: {**here, "cpu_bf16": ["amx_bf16"]})
     seed1 = next(r for r in plan(load_experiment("walk"), tmp_path / "c") if r.seed == 1)
     other = [runs.Run(seed1.arm, 1, seed1.dir, seed1.overrides)]
     runs.execute("walk", "walk", other, jobs=1, log=lambda _: None, records=records)
     assert seen == [False, True, False]  # another kind computes its own, and keeps it under its kind
-    assert len(json.loads((records / runs.STEP0_SCORES).read_text())) == 2
+    assert len(list((records / runs.STEP0_SCORES).glob("*.json"))) == 2
+    runs.step0_file(records, here).write_text('{"scores": {"k0": 0.2')  # torn: nothing offered, no crash
+    assert runs.seed_step0_cache(tmp_path / "d", records, here) == 0
 
 
 def test_the_real_environment_names_the_device_and_versions() -> None:
