@@ -1,6 +1,7 @@
 """The evidence suite's command: `python -m studies SUBCOMMAND` from the repository's root.
 
 python -m studies compare EXPERIMENT [--quick|--pilot] [--jobs 2] [--seeds 9-14]   registered experiments
+python -m studies step0 EXPERIMENT [--pilot] --seeds 0-15 [--jobs 2]            step-0 scores ahead of runs
 python -m studies claims [--results docs/results] [--readme README.md]           the claims page
 python -m studies variance [--quick] [--out DIR] [...]                           gradient noise per estimator
 python -m studies variance-a [--pilot|--no-run] [--amend REASON]                 claim (a), registered
@@ -21,6 +22,7 @@ from otbrl.app.cli import CliError, int_list
 from studies import variance, variance_a_cli
 from studies.claims import STUDIES, proxy_claim, sync_readme, variance_claim, write_claims
 from studies.compare import compare, experiment_names, pilot
+from studies.step0 import ahead
 
 
 def fail(message: str, code: int = 2) -> CliError:
@@ -57,6 +59,39 @@ def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
     print(f"\nwrote {page}" + ("" if args.pilot else " (+ .png, .json)"))
     if failures:
         raise SystemExit("studies compare: failed runs:\n" + "\n".join(failures))
+
+
+def step0_command(args: argparse.Namespace, rest: list[str]) -> None:
+    if rest:
+        raise fail(f"step0: unexpected arguments {rest}")
+    try:
+        failures = ahead(
+            args.experiment,
+            args.seeds,
+            pilot=args.pilot,
+            jobs=args.jobs,
+            runs_dir=args.runs_dir,
+            results=args.results,
+        )
+    except (ValueError, RuntimeError) as err:
+        raise fail(str(err)) from None
+    if failures:
+        raise SystemExit("studies step0: failed seeds:\n" + "\n".join(failures))
+
+
+def add_step0(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "step0",
+        help="seeds' step-0 held-out scores ahead of their runs (kept beside the records, per kind of "
+        "machine, for the runs to reuse)",
+    )
+    p.add_argument("experiment", help=f"an experiment: {', '.join(experiment_names())}")
+    p.add_argument("--seeds", type=int_list, required=True, help="e.g. 0-15 or 103,104")
+    p.add_argument("--pilot", action="store_true", help="the pilot's seeds (its records folder)")
+    p.add_argument("--jobs", type=int, default=2, help="seeds at a time, one thread each (default 2)")
+    p.add_argument("--runs-dir", type=Path, help="the experiment's runs folder (default runs/compare/NAME)")
+    p.add_argument("--results", type=Path, help="where the records are (default docs/results)")
+    return p
 
 
 def claims_command(args: argparse.Namespace, rest: list[str]) -> None:
@@ -163,6 +198,7 @@ Subparsers = Any  # what ArgumentParser.add_subparsers returns (its class is pri
 
 SUBCOMMANDS = {
     "compare": (add_compare, compare_command),
+    "step0": (add_step0, step0_command),
     "claims": (add_claims, claims_command),
     "variance": (add_variance, variance_command),
     "variance-a": (add_variance_a, variance_a_command),

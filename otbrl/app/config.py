@@ -115,6 +115,10 @@ class RecipeKeys:
             each), so that arms with different group sizes are compared at equal cost.
         eval_before (`bool`, *optional*, defaults to `True`):
             Held-out evaluation before training (the same for every arm of a seed in a study: skip it there).
+        eval_before_only (`bool`, *optional*, defaults to `False`):
+            Compute the held-out score before training (`eval_before`), write it to summary.json and stop:
+            no training. With `OTBRL_HELDOUT_CACHE` set, the score is kept there under its key for the runs
+            that share it (a study computes a seed's step-0 score ahead of its runs this way).
         max_generated_tokens (`int` or `None`, *optional*, defaults to `None`):
             Stop once this many tokens were generated (`max_steps` still bounds the run and sets its
             schedule).
@@ -186,6 +190,7 @@ class RecipeKeys:
     eval_batch_size: int | None = None
     eval_at_tokens: list[int] | None = None
     eval_before: bool = True
+    eval_before_only: bool = False
     max_generated_tokens: int | None = None
     warm_start_target: float = 0.3
     warm_start_seed: int = 0

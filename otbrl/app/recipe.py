@@ -315,6 +315,8 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
         raise ValueError(
             "sft_steps: a supervised warm start is for a pretrained chat model, not warm:/random:"
         )
+    if recipe["eval_before_only"] and not recipe["eval_before"]:
+        raise ValueError("eval_before_only: computes the score before training; it needs eval_before: true")
     if recipe["warm_start_split"] not in ("all", "train"):
         raise ValueError(f"warm_start_split: must be all or train, got {recipe['warm_start_split']!r}")
     options = recipe["estimator_options"]

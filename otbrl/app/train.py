@@ -160,6 +160,10 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
     if before is not None:
         same = ", reused: an earlier run's with the same model, prompts and seed" if reused else ""
         log(f"held-out reward before training: {before:.3f} ({len(eval_rows)} prompts{same})")
+    if recipe["eval_before_only"]:  # the step-0 score alone, by the path a training run takes to it
+        summary = {"held-out reward before": before, "reused": reused, "eval_before_only": True}
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        return summary
     metrics = out / "metrics.jsonl"
     budgets = TokenBudgets(evaluate_now, list(recipe["eval_at_tokens"] or []), recipe["max_generated_tokens"])
     trainer.add_callback(metrics_callback(metrics, config.generation_batch_size, budgets, ledger))
