@@ -19,15 +19,19 @@ from typing import Any
 import torch
 
 
-def machine(threads: int) -> str:
-    """CPU, memory, versions, torch threads and the load at the time of writing (other work on the
-    machine slows every measurement)."""
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
     cpuinfo = Path("/proc/cpuinfo")
     for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
         if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine(threads: int) -> str:
+    """CPU, memory, versions, torch threads and the load at the time of writing (other work on the
+    machine slows every measurement)."""
+    cpu = cpu_name()
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     load = ""
     if hasattr(os, "getloadavg"):

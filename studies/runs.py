@@ -45,7 +45,7 @@ from otbrl.app.heldout_cache import ENV as HELDOUT_CACHE_ENV
 from otbrl.app.metrics import read_metrics
 from otbrl.app.recipe import read_recipe
 from otbrl.app.sources import model_problem
-from studies.pages import read_record, write_record
+from studies.pages import cpu_name, read_record, write_record
 
 try:  # a progress bar where tqdm is installed (it comes with otbrl[trl]); plain log lines otherwise
     from tqdm.auto import tqdm
@@ -239,6 +239,7 @@ def environment() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "cpu_bf16": sorted(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()),
         "cpu_capability": None if cuda else torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...
+        "cpu_name": cpu_name(),  # times are named with the CPU they ran on
         "machine": platform.machine(),
         "python": platform.python_version(),
         **{name: ver(name) for name in ("torch", "transformers", "trl", "otbrl")},
@@ -250,7 +251,10 @@ def environment_label(env: dict[str, Any] | None) -> str:
     were recorded say so)."""
     if not env:
         return "not recorded"
-    return f"{env.get('device')}, {env.get('cpus')} CPUs, torch {env.get('torch')}"
+    device = env.get("device")
+    if device == "cpu" and env.get("cpu_name"):  # records from before it was kept name the device alone
+        device = f"cpu ({env['cpu_name']})"
+    return f"{device}, {env.get('cpus')} CPUs, torch {env.get('torch')}"
 
 
 MACHINE_KEYS = ("device", "machine", "cpu_bf16", "torch", "transformers", "trl")

@@ -636,6 +636,10 @@ def test_the_real_environment_names_the_device_and_versions() -> None:
     assert env["device"] and env["torch"] and env["cpus"] >= 1
     assert runs.environment_label(env).startswith(env["device"])
     assert runs.environment_label(None) == "not recorded"
+    if env["device"] == "cpu":  # a CPU's times are named with the CPU
+        assert env["cpu_name"] in runs.environment_label(env) and env["cpu_capability"]
+    old = {k: v for k, v in env.items() if k != "cpu_name"}  # a record from before the name was kept
+    assert runs.environment_label(old) == f"{env['device']}, {env['cpus']} CPUs, torch {env['torch']}"
 
 
 def test_runs_sharing_a_gpu_each_get_an_equal_memory_cap(tmp_path, monkeypatch) -> None:
