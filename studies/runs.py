@@ -294,6 +294,8 @@ def seed_step0_cache(cache: Path, records: Path | None, env: dict[str, Any]) -> 
     smollm2c). A score is found only under its key, which hashes the weights' bytes, the prompts, the
     sampling settings, threads and versions; scores from another kind of machine are not offered. As with
     the arms of a seed in one checkout, a reused score is the one every arm of the seed is paired on.
+    The key names otbrl's version, not its code: a change to the evaluation, reward or tools that moves
+    the score is a protocol change, and its amendment deletes the experiment's step0-scores/ with it.
     Returns how many were added."""
     if records is None:
         return 0

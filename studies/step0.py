@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from studies.experiment import _run, load_experiment, pilot_seeds
+from otbrl.app.heldout_cache import EVAL_BEFORE_FILE
+from studies.experiment import _run, load_experiment, pilot_plan, pilot_seeds
 from studies.pages import RESULTS
 from studies.runs import (
     Run,
@@ -35,12 +36,15 @@ from studies.runs import (
 
 
 def step0_run(exp: Any, runs_dir: Path, seed: int, pilot: bool) -> Run:
-    """A run of `seed` as the experiment would plan it (its first arm; in a pilot, its first rate: the
-    score depends on neither), set to stop after its step-0 score, in `runs_dir/step0/seed<seed>`."""
+    """A run of `seed` with the settings the experiment's runs of it get (a pilot's: its first planned
+    run's, the pilot's own eval settings included; the score depends on neither arm nor rate unless an arm
+    changes what it reads, and then the key differs and the score is not found), set to stop after its
+    step-0 score, in `runs_dir/step0/seed<seed>`."""
     arm = next(iter(exp.arms))
-    extra = {"learning_rate": float(exp.pilot["learning_rates"][0])} if pilot else {}
-    run = _run(exp, runs_dir, arm, seed, extra, name="step0")
-    return Run(run.arm, seed, run.dir, {**run.overrides, "eval_before_only": True})
+    template = pilot_plan(exp, runs_dir)[0] if pilot else _run(exp, runs_dir, arm, seed)
+    folder = runs_dir / "step0" / f"seed{seed}"
+    overrides = {**template.overrides, "seed": seed, "output_dir": str(folder), "eval_before_only": True}
+    return Run("step0", seed, folder, overrides)
 
 
 def ahead(
@@ -63,6 +67,7 @@ def ahead(
             raise ValueError(
                 f"{exp.name} pilot: seeds {sorted(set(seeds) - set(known))} are not its seeds {known}"
             )
+    seeds = sorted(set(seeds))  # one process a seed: two in one folder would tear each other's files
     if not seeds or min(seeds) < 0:
         raise ValueError(f"step0: give the seeds (non-negative), got {seeds}")
     base = Path("runs/compare") / exp.name
@@ -84,7 +89,7 @@ def ahead(
         if failure:
             failures.append(failure)
             return
-        summary = json.loads((run.dir / "summary.json").read_text())
+        summary = json.loads((run.dir / EVAL_BEFORE_FILE).read_text())
         found = " (found: computed before)" if summary.get("reused") else ""
         log(f"seed {run.seed}: step-0 held-out score {summary['held-out reward before']:.3f}{found}")
         with lock:

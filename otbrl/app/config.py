@@ -116,9 +116,10 @@ class RecipeKeys:
         eval_before (`bool`, *optional*, defaults to `True`):
             Held-out evaluation before training (the same for every arm of a seed in a study: skip it there).
         eval_before_only (`bool`, *optional*, defaults to `False`):
-            Compute the held-out score before training (`eval_before`), write it to summary.json and stop:
-            no training. With `OTBRL_HELDOUT_CACHE` set, the score is kept there under its key for the runs
-            that share it (a study computes a seed's step-0 score ahead of its runs this way).
+            Compute the held-out score before training (`eval_before`), write it to eval-before.json and
+            stop: no training (and no summary.json, which says a run finished). With
+            `OTBRL_HELDOUT_CACHE` set, the score is kept there under its key for the runs that share it
+            (a study computes a seed's step-0 score ahead of its runs this way).
         max_generated_tokens (`int` or `None`, *optional*, defaults to `None`):
             Stop once this many tokens were generated (`max_steps` still bounds the run and sets its
             schedule).

@@ -23,6 +23,7 @@ import transformers
 from otbrl import __version__
 
 ENV = "OTBRL_HELDOUT_CACHE"
+EVAL_BEFORE_FILE = "eval-before.json"  # what a run with eval_before_only writes: its step-0 score alone
 
 
 def weights_digest(model: torch.nn.Module) -> str:

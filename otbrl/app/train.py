@@ -22,7 +22,7 @@ from otbrl.app.answers import completion_text, get_reward
 from otbrl.app.callbacks import PromptLedger, TokenBudgets, metrics_callback, progress_callback
 from otbrl.app.checkpoints import resume_checkpoint
 from otbrl.app.gpu_memory import apply_share, peak_gib
-from otbrl.app.heldout_cache import before_key, cache_folder, cached_score
+from otbrl.app.heldout_cache import EVAL_BEFORE_FILE, before_key, cache_folder, cached_score
 from otbrl.app.metrics import read_metrics
 from otbrl.app.plots import plot_curves
 from otbrl.app.precision import resolve_bf16
@@ -161,8 +161,9 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
         same = ", reused: an earlier run's with the same model, prompts and seed" if reused else ""
         log(f"held-out reward before training: {before:.3f} ({len(eval_rows)} prompts{same})")
     if recipe["eval_before_only"]:  # the step-0 score alone, by the path a training run takes to it
+        # not summary.json: that file says a run finished training (otbrl compare, studies read it so)
         summary = {"held-out reward before": before, "reused": reused, "eval_before_only": True}
-        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out / EVAL_BEFORE_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         return summary
     metrics = out / "metrics.jsonl"
     budgets = TokenBudgets(evaluate_now, list(recipe["eval_at_tokens"] or []), recipe["max_generated_tokens"])

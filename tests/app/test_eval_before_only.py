@@ -10,7 +10,7 @@ import json
 import pytest
 
 from otbrl.app import train as train_module
-from otbrl.app.heldout_cache import ENV
+from otbrl.app.heldout_cache import ENV, EVAL_BEFORE_FILE
 from otbrl.app.recipe import load_recipe
 from otbrl.app.train import run
 from tests.app.test_resume import TINY, _spread_reward
@@ -35,7 +35,8 @@ def test_the_step0_score_alone_is_the_one_a_run_computes_and_a_run_reusing_it_tr
     monkeypatch.setattr(train_module, "make_reward", _spread_reward)  # scores that differ between samples
     ran, ahead = tmp_path / "cache-run", tmp_path / "cache-ahead"
     full = _run(tmp_path / "full", monkeypatch, ran)  # a training run, computing its own step-0 score
-    only = _run(tmp_path / "only", monkeypatch, ahead, eval_before_only=True)
+    other_arm = {"advantage_estimator": "grpo", "num_generations": 4, "learning_rate": 3e-4}
+    only = _run(tmp_path / "only", monkeypatch, ahead, eval_before_only=True, **other_arm)
     (computed,) = ran.glob("*.json")
     (alone,) = ahead.glob("*.json")
     assert alone.name == computed.name  # the key a run looks up
@@ -44,9 +45,20 @@ def test_the_step0_score_alone_is_the_one_a_run_computes_and_a_run_reusing_it_tr
     assert 0 < score < 1 and only["held-out reward before"] == score and not only["reused"]
     assert full["held-out reward before"] == round(score, 3)
     assert not (tmp_path / "only" / "metrics.jsonl").exists()  # no training step
+    assert not (tmp_path / "only" / "summary.json").exists()  # which would say a run finished
+    assert json.loads((tmp_path / "only" / EVAL_BEFORE_FILE).read_text())["held-out reward before"] == score
 
+    evaluations: list[int] = []
+    real = train_module.evaluate
+
+    def counted(*args, **kwargs):
+        evaluations.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", counted)
     again = _run(tmp_path / "again", monkeypatch, ahead)  # reuses the score computed ahead
     assert again["held-out reward before"] == full["held-out reward before"]
+    assert evaluations == [1]  # the final one only: the step-0 score was found, not sampled again
 
     def steps(out) -> list[dict]:
         return [{k: v for k, v in r.items() if "second" not in k and "time" not in k} for r in _rows(out)]
