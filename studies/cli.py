@@ -14,7 +14,9 @@ A bad experiment or argument ends in one line starting `studies:` and exit code 
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +34,29 @@ def fail(message: str, code: int = 2) -> CliError:
     return CliError(text, code)
 
 
+def stop_time(text: str, now: float | None = None) -> float:
+    """`HH:MM` (UTC) as the time.time() of its next occurrence (today, else tomorrow)."""
+    try:
+        clock = datetime.datetime.strptime(text, "%H:%M").time()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HH:MM (UTC), got {text!r}") from None
+    current = datetime.datetime.fromtimestamp(time.time() if now is None else now, datetime.UTC)
+    at = datetime.datetime.combine(current.date(), clock, datetime.UTC)
+    return (at if at > current else at + datetime.timedelta(days=1)).timestamp()
+
+
 def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
     if rest:
         raise fail(f"compare: unexpected arguments {rest}")
     if args.pilot and args.quick:
         raise fail("compare: --pilot and --quick do not go together")
-    where = dict(jobs=args.jobs, runs_dir=args.runs_dir, results=args.results, amend=args.amend)
+    where = dict(
+        jobs=args.jobs, runs_dir=args.runs_dir, results=args.results, amend=args.amend, stop_at=args.stop_at
+    )
     if args.pilot and args.seeds:
         raise fail("compare: --seeds chooses reported runs; the pilot runs all its seeds")
-    if args.no_run and (args.seeds or args.arms):
-        raise fail("compare: --seeds and --arms choose runs to train; --no-run trains none")
+    if args.no_run and (args.seeds or args.arms or args.stop_at):
+        raise fail("compare: --seeds, --arms and --stop-at choose runs to train; --no-run trains none")
     try:
         if args.pilot:
             page, failures = pilot(args.experiment, **where, train=not args.no_run, arms=args.arms)[0], []
@@ -159,6 +174,13 @@ def add_compare(sub: Subparsers) -> argparse.ArgumentParser:
         "--no-run",
         action="store_true",
         help="train nothing: rebuild the page from the committed run records alone (docs/results/runs/)",
+    )
+    p.add_argument(
+        "--stop-at",
+        type=stop_time,
+        metavar="HH:MM",
+        help="the machine is taken away then (UTC, the next such time): a run that would end after it, at "
+        "the median time of the runs recorded on this kind of machine, is not started",
     )
     p.add_argument(
         "--amend",

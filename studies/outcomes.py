@@ -25,7 +25,6 @@ import json
 import math
 import statistics
 import textwrap
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from otbrl.app.plots import MARKERS, STYLES, pyplot, save
 from studies.experiment import Experiment, arm_names
 from studies.inference import NOT_TESTED, Interval, combine, discriminating, paired, t_interval, verdict
 from studies.pages import markdown_table, read_record
-from studies.runs import Run, environment_label, has_record, record_path
+from studies.runs import Run, environment_label, has_record, record_path, wall_seconds
 
 SURGE_SMOOTH, SURGE_HISTORY = 5, 20
 
@@ -415,20 +414,6 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
         "environments": where,
         "first_started": min(started) if started else None,
     }
-
-
-def wall_seconds(record: dict[str, Any]) -> float:
-    """A run's wall time from its record's start and finish stamps (its evaluations included): from the
-    start of the attempt that finished (a run started again from scratch loses the attempts before), or
-    from its first start in records made before attempts were stamped, plus the time each earlier attempt
-    spent up to the checkpoint the run continued from (`resumed`); NaN when the record lacks either."""
-    try:
-        start = datetime.fromisoformat(record.get("attempt_started") or record["started"])
-        end = datetime.fromisoformat(record["finished"])
-    except (KeyError, TypeError, ValueError):
-        return math.nan
-    earlier = sum(float(r.get("kept_seconds", math.nan)) for r in record.get("resumed", []))
-    return (end - start).total_seconds() + earlier
 
 
 def interval_json(ci: Interval) -> dict[str, float]:

@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -404,6 +405,31 @@ def make_record(run: Run, stamp: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def wall_seconds(record: dict[str, Any]) -> float:
+    """A run's wall time from its record's start and finish stamps (its evaluations included): from the
+    start of the attempt that finished (a run started again from scratch loses the attempts before), or
+    from its first start in records made before attempts were stamped, plus the time each earlier attempt
+    spent up to the checkpoint the run continued from (`resumed`); NaN when the record lacks either."""
+    try:
+        start = datetime.datetime.fromisoformat(record.get("attempt_started") or record["started"])
+        end = datetime.datetime.fromisoformat(record["finished"])
+    except (KeyError, TypeError, ValueError):
+        return math.nan
+    earlier = sum(float(r.get("kept_seconds", math.nan)) for r in record.get("resumed", []))
+    return (end - start).total_seconds() + earlier
+
+
+def expected_seconds(records: Path | None, env: dict[str, Any]) -> float | None:
+    """What a run of this experiment takes here: the median wall time of its recorded runs trained on this
+    kind of machine (None: none yet)."""
+    times = []
+    for path in sorted(records.glob("*/seed*.json.gz")) if records is not None and records.is_dir() else []:
+        rec = read_record(path)
+        if machine_kind(rec.get("environment")) == machine_kind(env) and (wall := wall_seconds(rec)) == wall:
+            times.append(wall)
+    return statistics.median(times) if times else None
+
+
 def is_done(run: Run) -> bool:
     """A run counts as done when it wrote its summary with the same recipe it would be run with now."""
     recipe = run.dir / "run.json"
@@ -516,13 +542,17 @@ def execute(
     records: Path | None = None,
     stamp: dict[str, Any] | None = None,
     same_machine: bool = False,
+    stop_at: float | None = None,
 ) -> list[str]:
     """Run what is not done yet of experiment `name` (base recipe `recipe`), `jobs` at a time. With
     `records` (a folder of committed run records), a run with a record is done, a finished run directory
     without one gets one, and each run that finishes writes its record at once, stamped with `stamp` (the
     protocol's hash), so a stop at any point loses at most the runs in flight. `same_machine`: a run whose
     seed has another arm's record from another kind of machine is not trained here (a failure line says
-    where it belongs). Returns one line per failed or refused run (nothing is dropped silently)."""
+    where it belongs). `stop_at` (a time.time()): a run that would end after it, at the median wall time
+    of the experiment's recorded runs on this kind of machine, is not started (a machine taken away at a
+    known time would lose it). Returns one line per failed, refused or unstarted run (nothing is dropped
+    silently)."""
 
     def keep(run: Run) -> None:
         if records is not None:
@@ -570,6 +600,8 @@ def execute(
                 f"from {step0_file(records, env)}"
             )
     lock = threading.Lock()
+    expected = expected_seconds(records, env) if stop_at is not None and env is not None else None
+    late: list[Run] = []
 
     def attempt(run: Run) -> tuple[int, str]:
         """One attempt at a run. A run started again keeps the stamp and time it first started under
@@ -595,6 +627,11 @@ def execute(
 
     def one(run: Run) -> None:
         start = time.perf_counter()
+        if expected is not None and time.time() + expected > stop_at:
+            late.append(run)
+            if bar is not None:
+                bar.update()
+            return
         run.dir.mkdir(parents=True, exist_ok=True)
         code, failure = attempt(run)
         for _ in range(KILLED_RETRIES):
@@ -621,4 +658,13 @@ def execute(
         list(pool.map(one, todo))
     if bar is not None:
         bar.close()
+    if late:
+        seeds = ",".join(str(s) for s in sorted({r.seed for r in late}))
+        step0 = f"python -m studies step0 {name.split()[0]}{' --pilot' if ' pilot' in name else ''}"
+        failures.append(
+            f"{len(late)} runs not started: at {expected / 60:.0f} min a run (the median here) they would "
+            f"end after the stop time ({', '.join(f'{r.arm} seed {r.seed}' for r in late)}); the time "
+            f"left can compute their seeds' step-0 scores: {step0} --seeds {seeds}"
+        )
+        log(failures[-1])
     return refused + failures

@@ -631,6 +631,50 @@ def test_step0_scores_are_committed_and_reused_by_a_new_checkout_on_the_same_kin
     assert runs.seed_step0_cache(tmp_path / "d", records, here) == 0
 
 
+def test_a_run_that_would_end_after_the_stop_time_is_not_started(tmp_path, monkeypatch) -> None:
+    """--stop-at: at the median wall time of the runs recorded on this kind of machine, a run that would end
+    after the stop is not started, and the line that says so names the step0 command for its seed; with
+    time enough, or with no recorded run to go by, runs start."""
+    chosen = [r for r in plan(load_experiment("walk"), tmp_path) if r.seed in (0, 1)][:3]
+    here = {"device": "cpu", "cpus": 2, "cpu_bf16": [], "machine": "x86_64", "torch": "9.8"}
+    monkeypatch.setattr(runs, "environment", lambda: here)
+    calls: list[str] = []
+    monkeypatch.setattr(runs, "_train", _fake_train(calls))
+    records = tmp_path / "records"
+    soon = time.time() + 1800
+    runs.execute("walk", "walk", chosen[:1], jobs=1, log=lambda _: None, records=records, stop_at=soon)
+    assert len(calls) == 1  # nothing recorded yet: no time to go by, the run starts
+    path = record_path(records, chosen[0].arm, chosen[0].seed)
+    rec = read_record(path)
+    finished = datetime.datetime.fromisoformat(rec["finished"])
+    write_record(path, {**rec, "attempt_started": (finished - datetime.timedelta(hours=1)).isoformat()})
+    assert runs.expected_seconds(records, here) == pytest.approx(3600)
+    assert runs.expected_seconds(records, {**here, "torch": "9.9"}) is None  # another kind: not its time
+
+    lines = runs.execute(
+        "walk pilot", "walk", chosen[1:], jobs=1, log=lambda _: None, records=records, stop_at=soon
+    )
+    assert len(calls) == 1 and len(lines) == 1
+    assert "2 runs not started: at 60 min a run" in lines[0]
+    assert "python -m studies step0 walk --pilot --seeds " in lines[0]
+    later = time.time() + 7200
+    assert (
+        runs.execute("walk", "walk", chosen[1:], jobs=1, log=lambda _: None, records=records, stop_at=later)
+        == []
+    )
+    assert len(calls) == 3
+
+
+def test_stop_at_reads_the_next_such_time_in_utc() -> None:
+    from studies.cli import stop_time
+
+    noon = datetime.datetime(2026, 11, 28, 12, 0, tzinfo=datetime.UTC).timestamp()
+    assert stop_time("14:30", noon) == noon + 2.5 * 3600
+    assert stop_time("02:40", noon) == noon + 14 * 3600 + 40 * 60  # tomorrow
+    with pytest.raises(Exception, match="HH:MM"):
+        stop_time("2pm", noon)
+
+
 def test_the_real_environment_names_the_device_and_versions() -> None:
     env = runs.environment()
     assert env["device"] and env["torch"] and env["cpus"] >= 1
