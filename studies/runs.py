@@ -241,10 +241,35 @@ def environment() -> dict[str, Any]:
         "cpu_bf16": sorted(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()),
         "cpu_capability": None if cuda else torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...
         "cpu_name": cpu_name(),  # times are named with the CPU they ran on
+        "code": code_version(),  # which code trained it: a change between sessions shows
         "machine": platform.machine(),
         "python": platform.python_version(),
         **{name: ver(name) for name in ("torch", "transformers", "trl", "otbrl")},
     }
+
+
+def code_version() -> str | None:
+    """The commit of the checkout otbrl runs from (12 hex digits), "+changes" when its otbrl/ or studies/
+    differ from it; None outside a git checkout (an installed wheel)."""
+    import otbrl
+
+    root = Path(otbrl.__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=20
+        )
+        changes = subprocess.run(
+            ["git", "status", "--porcelain", "--", "otbrl", "studies"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode or changes.returncode:
+        return None
+    return head.stdout.strip()[:12] + ("+changes" if changes.stdout.strip() else "")
 
 
 def environment_label(env: dict[str, Any] | None) -> str:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -680,6 +681,7 @@ def test_the_real_environment_names_the_device_and_versions() -> None:
     assert env["device"] and env["torch"] and env["cpus"] >= 1
     assert runs.environment_label(env).startswith(env["device"])
     assert runs.environment_label(None) == "not recorded"
+    assert env["code"] is None or re.fullmatch(r"[0-9a-f]{12}(\+changes)?", env["code"])
     if env["device"] == "cpu":  # a CPU's times are named with the CPU
         assert env["cpu_name"] in runs.environment_label(env) and env["cpu_capability"]
     old = {k: v for k, v in env.items() if k != "cpu_name"}  # a record from before the name was kept
