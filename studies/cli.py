@@ -51,12 +51,19 @@ def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
     if args.pilot and args.quick:
         raise fail("compare: --pilot and --quick do not go together")
     where = dict(
-        jobs=args.jobs, runs_dir=args.runs_dir, results=args.results, amend=args.amend, stop_at=args.stop_at
+        jobs=args.jobs,
+        runs_dir=args.runs_dir,
+        results=args.results,
+        amend=args.amend,
+        stop_at=args.stop_at,
+        commit=args.commit,
     )
     if args.pilot and args.seeds:
         raise fail("compare: --seeds chooses reported runs; the pilot runs all its seeds")
-    if args.no_run and (args.seeds or args.arms or args.stop_at):
-        raise fail("compare: --seeds, --arms and --stop-at choose runs to train; --no-run trains none")
+    if args.no_run and (args.seeds or args.arms or args.stop_at or args.commit):
+        raise fail(
+            "compare: --seeds, --arms, --stop-at and --commit are about training; --no-run trains none"
+        )
     try:
         if args.pilot:
             page, failures = pilot(args.experiment, **where, train=not args.no_run, arms=args.arms)[0], []
@@ -87,6 +94,7 @@ def step0_command(args: argparse.Namespace, rest: list[str]) -> None:
             jobs=args.jobs,
             runs_dir=args.runs_dir,
             results=args.results,
+            commit=args.commit,
         )
     except (ValueError, RuntimeError) as err:
         raise fail(str(err)) from None
@@ -106,6 +114,7 @@ def add_step0(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=2, help="seeds at a time, one thread each (default 2)")
     p.add_argument("--runs-dir", type=Path, help="the experiment's runs folder (default runs/compare/NAME)")
     p.add_argument("--results", type=Path, help="where the records are (default docs/results)")
+    p.add_argument("--commit", action="store_true", help="commit the scores file as each seed's score lands")
     return p
 
 
@@ -181,6 +190,12 @@ def add_compare(sub: Subparsers) -> argparse.ArgumentParser:
         metavar="HH:MM",
         help="the machine is taken away then (UTC, the next such time): a run that would end after it, at "
         "the median time of the runs recorded on this kind of machine, is not started",
+    )
+    p.add_argument(
+        "--commit",
+        action="store_true",
+        help="commit each run's record in the git checkout that holds the records as soon as it is written "
+        "(with --results pointing at the main checkout when the runs train in a worktree)",
     )
     p.add_argument(
         "--amend",

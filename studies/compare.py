@@ -559,6 +559,7 @@ def _execute(
     records: Path,
     stamp: dict[str, Any],
     stop_at: float | None = None,
+    commit: bool = False,
 ) -> list[str]:
     """`execute` with what every stage of an experiment shares: its recipe and machine rule."""
     return execute(
@@ -571,6 +572,7 @@ def _execute(
         stamp=stamp,
         same_machine=exp.same_machine,
         stop_at=stop_at,
+        commit=commit,
     )
 
 
@@ -587,6 +589,7 @@ def compare(
     seeds: list[int] | None = None,
     arms: list[str] | None = None,
     stop_at: float | None = None,
+    commit: bool = False,
 ) -> tuple[Path, list[str]]:
     """Plan, run (resuming from committed records; `train=False`: nothing, the page from the committed
     records alone), analyse and report one experiment. Returns (results
@@ -622,7 +625,7 @@ def compare(
                 f"{exp.name}: this share is {len(share)} of the {len(runs)} runs (seeds {seeds or 'all'}, "
                 f"arms {arms or 'all'}); the page reads every run with a record"
             )
-        failures = _execute(exp, exp.name, share, jobs, log, records, stamp, stop_at)
+        failures = _execute(exp, exp.name, share, jobs, log, records, stamp, stop_at, commit)
     else:
         runs = [r for r in runs if has_record(r, records)]
         log(f"{exp.name}: {len(runs)} runs with committed records in {records} (none trained)")
@@ -987,6 +990,7 @@ def pilot(
     train: bool = True,
     arms: list[str] | None = None,
     stop_at: float | None = None,
+    commit: bool = False,
 ) -> tuple[Path, dict[str, float]]:
     """Run the experiment's pilot (`train=False`: nothing; its page from the committed records alone):
     every arm at each pilot learning rate on the pilot seed, each arm's pick by `pilot_score` and the
@@ -1014,7 +1018,7 @@ def pilot(
             f"{exp.name} pilot: {len(share)} of {len(runs)} runs ({_pilot_seeds_text(exp)}; arms "
             f"{arms or 'all'}) in {runs_dir}; protocol {stamp['hash']}"
         )
-        failures = _execute(exp, f"{exp.name} pilot", share, jobs, log, records, stamp, stop_at)
+        failures = _execute(exp, f"{exp.name} pilot", share, jobs, log, records, stamp, stop_at, commit)
     if failures:
         raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
     picks, _, _, ok = picks_and_gate(exp, runs, records)
@@ -1029,7 +1033,9 @@ def pilot(
             f"{exp.name} pilot: gate passed; {len(stage2)} runs at the picks on seeds "
             f"{exp.pilot['variance_seeds']}"
         )
-        failures = _execute(exp, f"{exp.name} pilot variance", stage2, jobs, log, records, stamp, stop_at)
+        failures = _execute(
+            exp, f"{exp.name} pilot variance", stage2, jobs, log, records, stamp, stop_at, commit
+        )
         if failures:
             raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
     command = f"python -m studies compare {spec} --pilot --jobs {jobs}"

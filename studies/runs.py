@@ -558,6 +558,42 @@ def missing_models(recipe: str, runs: list[Run]) -> dict[str, list[Run]]:
     return out
 
 
+def commit_files(paths: list[Path], message: str, log: Callable[[str], Any] = print) -> bool:
+    """Commit these files (those that exist) and nothing else in the git checkout that holds them, even
+    with other changes staged there; a busy index (another commit under way) is tried again. A failure is
+    said, not raised: the files stay written for a commit by hand."""
+    paths = [p for p in paths if p.exists()]
+    if not paths:
+        return False
+    cwd = paths[0].resolve().parent
+    names = [str(p.resolve()) for p in paths]
+    for attempt in range(5):
+        try:
+            add = subprocess.run(
+                ["git", "add", "--", *names], cwd=cwd, capture_output=True, text=True, timeout=60
+            )
+            done = add.returncode == 0 and subprocess.run(
+                ["git", "commit", "-q", "-m", message, "--", *names],
+                cwd=cwd,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        except (OSError, subprocess.SubprocessError) as err:
+            log(f"commit of {', '.join(p.name for p in paths)} failed: {err}")
+            return False
+        if done and done.returncode == 0:
+            return True
+        why = (add.stderr if add.returncode else done.stderr if done else "").strip()
+        if "index.lock" not in why or attempt == 4:
+            log(
+                f"commit of {', '.join(p.name for p in paths)} failed: {why.splitlines()[-1] if why else '?'}"
+            )
+            return False
+        time.sleep(2 + 2 * attempt)
+    return False
+
+
 def execute(
     name: str,
     recipe: str,
@@ -568,6 +604,7 @@ def execute(
     stamp: dict[str, Any] | None = None,
     same_machine: bool = False,
     stop_at: float | None = None,
+    commit: bool = False,
 ) -> list[str]:
     """Run what is not done yet of experiment `name` (base recipe `recipe`), `jobs` at a time. With
     `records` (a folder of committed run records), a run with a record is done, a finished run directory
@@ -576,8 +613,9 @@ def execute(
     seed has another arm's record from another kind of machine is not trained here (a failure line says
     where it belongs). `stop_at` (a time.time()): a run that would end after it, at the median wall time
     of the experiment's recorded runs on this kind of machine, is not started (a machine taken away at a
-    known time would lose it). Returns one line per failed, refused or unstarted run (nothing is dropped
-    silently)."""
+    known time would lose it). `commit`: each record (with this machine's step-0 scores) is committed in
+    the git checkout that holds `records` as soon as it is written, alone (`commit_files`). Returns one
+    line per failed, refused or unstarted run (nothing is dropped silently)."""
 
     def keep(run: Run) -> None:
         if records is not None:
@@ -673,6 +711,9 @@ def execute(
                 drop_checkpoints(run.dir)
                 with lock:  # written beside the records, committed with them
                     keep_step0_scores(shared, records, env)
+                    if commit:
+                        where = [record_path(records, run.arm, run.seed), step0_file(records, env)]
+                        commit_files(where, f"{name}: record {run.arm} seed {run.seed} ({now()})", log)
         if bar is not None:
             bar.set_postfix_str(f"{run.arm} s{run.seed} {time.perf_counter() - start:.0f}s")
             bar.update()

@@ -27,6 +27,7 @@ from studies.pages import RESULTS
 from studies.runs import (
     Run,
     _train,
+    commit_files,
     environment,
     keep_step0_scores,
     missing_models,
@@ -56,10 +57,12 @@ def ahead(
     runs_dir: Path | None = None,
     results: Path | None = None,
     log: Callable[[str], Any] = print,
+    commit: bool = False,
 ) -> list[str]:
     """Compute (or find) the step-0 held-out score of each of `seeds` on this machine, `jobs` at a time,
     into the runs' shared cache and beside the records (`runs.keep_step0_scores`). A pilot's seeds must be
-    among its own (first stage and variance seeds). Returns one line per failed seed."""
+    among its own (first stage and variance seeds). `commit`: the scores file is committed as each lands.
+    Returns one line per failed seed."""
     exp = load_experiment(spec)
     if pilot:
         known = [*pilot_seeds(exp), *[int(s) for s in exp.pilot.get("variance_seeds", [])]]
@@ -94,6 +97,8 @@ def ahead(
         log(f"seed {run.seed}: step-0 held-out score {summary['held-out reward before']:.3f}{found}")
         with lock:
             keep_step0_scores(cache, records, env)
+            if commit:
+                commit_files([step0_file(records, env)], f"{exp.name}: step-0 score of seed {run.seed}", log)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         list(pool.map(one, todo))

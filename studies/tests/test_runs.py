@@ -676,6 +676,46 @@ def test_stop_at_reads_the_next_such_time_in_utc() -> None:
         stop_time("2pm", noon)
 
 
+def _git(repo: Path, *args: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def test_with_commit_each_record_is_committed_alone_as_it_lands(tmp_path, monkeypatch) -> None:
+    """--commit: every record is its own commit in the checkout that holds the records, with the machine's
+    step-0 scores; a change staged there by someone else stays staged, out of the commit."""
+    repo = tmp_path / "main"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@t")
+    _git(repo, "config", "user.name", "t")
+    (repo / "other.txt").write_text("mine\n")
+    _git(repo, "add", "other.txt")  # staged, not to be committed by the runner
+    records = repo / "docs" / "results" / "runs" / "walk"
+    chosen = [r for r in plan(load_experiment("walk"), tmp_path / "runs") if r.seed == 0][:2]
+    here = {"device": "cpu", "cpus": 2, "cpu_bf16": [], "machine": "x86_64", "torch": "9.8"}
+    monkeypatch.setattr(runs, "environment", lambda: here)
+
+    def train(recipe, run, heldout_cache=None, env=None, resume=False):
+        heldout_cache.mkdir(parents=True, exist_ok=True)
+        (heldout_cache / f"k{run.arm}.json").write_text(json.dumps({"score": 0.5}))
+        return _fake_train([])(recipe, run, heldout_cache, env, resume)
+
+    monkeypatch.setattr(runs, "_train", train)
+    assert (
+        runs.execute("walk", "walk", chosen, jobs=2, log=lambda _: None, records=records, commit=True) == []
+    )
+    log = _git(repo, "log", "--format=%s", "--name-only").split("\n")
+    subjects = [line for line in log if line.startswith("walk: record")]
+    assert len(subjects) == 2
+    committed = set(_git(repo, "ls-tree", "-r", "--name-only", "HEAD").split())
+    for run in chosen:
+        assert str(record_path(records, run.arm, 0).relative_to(repo)) in committed
+    assert str(runs.step0_file(records, here).relative_to(repo)) in committed
+    assert "other.txt" not in committed and "A  other.txt" in _git(repo, "status", "--porcelain")
+
+
 def test_the_real_environment_names_the_device_and_versions() -> None:
     env = runs.environment()
     assert env["device"] and env["torch"] and env["cpus"] >= 1
