@@ -206,7 +206,14 @@ def written(out: Path) -> list[str]:
     """What a run left in its output_dir, for the closing message."""
     names = [
         n
-        for n in ("summary.md", "summary.json", "metrics.jsonl", "curves.png", "recipe.yaml")
+        for n in (
+            "summary.md",
+            "summary.json",
+            EVAL_BEFORE_FILE,
+            "metrics.jsonl",
+            "curves.png",
+            "recipe.yaml",
+        )
         if (out / n).is_file()
     ]
     if next(out.rglob("events.out.tfevents*"), None) is not None:

@@ -46,6 +46,10 @@ def test_the_step0_score_alone_is_the_one_a_run_computes_and_a_run_reusing_it_tr
     assert full["held-out reward before"] == round(score, 3)
     assert not (tmp_path / "only" / "metrics.jsonl").exists()  # no training step
     assert not (tmp_path / "only" / "summary.json").exists()  # which would say a run finished
+    assert train_module.written(tmp_path / "only") == [
+        EVAL_BEFORE_FILE,
+        "recipe.yaml",
+    ]  # what the run says it left
     assert json.loads((tmp_path / "only" / EVAL_BEFORE_FILE).read_text())["held-out reward before"] == score
 
     evaluations: list[int] = []
