@@ -629,6 +629,8 @@ def compare(
     else:
         runs = [r for r in runs if has_record(r, records)]
         log(f"{exp.name}: {len(runs)} runs with committed records in {records} (none trained)")
+        if not runs:  # e.g. only step-0 scores committed ahead of the runs: nothing to build a page from
+            raise RuntimeError(f"{exp.name}: no committed run record in {records} to build a page from")
     result = analyse(exp, runs, records)
     if not result["arms"]:
         raise RuntimeError(f"{exp.name}: every run failed:\n" + "\n".join(failures))

@@ -17,7 +17,8 @@ RESULTS = ROOT / "docs" / "results"
 
 def _experiments() -> tuple[list[str], list[str]]:
     """(experiments, pilots) that have committed run records."""
-    names = sorted(p.name for p in (RESULTS / "runs").iterdir() if p.is_dir())
+    # a folder may hold step-0 scores committed ahead of its runs (`studies step0`), and no record yet
+    names = sorted(p.name for p in (RESULTS / "runs").iterdir() if any(p.glob("*/seed*.json.gz")))
     pilots = [n.removesuffix("-pilot") for n in names if n.endswith("-pilot")]
     return [n for n in names if not n.endswith("-pilot")], pilots
 

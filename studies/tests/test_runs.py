@@ -353,6 +353,20 @@ def test_a_page_is_rebuilt_from_committed_records_alone(tmp_path, monkeypatch) -
     assert "Runs: 4 under `abc`" in text and "not registered" in text  # records, but no registration
 
 
+def test_a_page_is_not_rebuilt_from_step0_scores_alone(tmp_path, monkeypatch) -> None:
+    """`studies step0` commits a seed's step-0 scores before any of its runs has a record: that folder
+    gives no page, and says so."""
+    from studies.compare import compare
+
+    scores = tmp_path / "results" / "runs" / "walk" / "step0-scores"
+    scores.mkdir(parents=True)
+    (scores / "kind.json").write_text('{"machine": {}, "scores": {"k": 0.5}}')
+    monkeypatch.setattr(runs, "_train", lambda *a: pytest.fail("--no-run trained"))
+    with pytest.raises(RuntimeError, match="no committed run record in .* to build a page from"):
+        compare("walk", runs_dir=tmp_path / "a", results=tmp_path / "results", log=print, train=False)
+    assert not (tmp_path / "results" / "walk.md").exists()
+
+
 def test_the_ladder_table_shows_censored_runs_beside_collapses() -> None:
     from studies.outcomes import ladder_table
 
