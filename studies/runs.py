@@ -612,10 +612,11 @@ def execute(
     protocol's hash), so a stop at any point loses at most the runs in flight. `same_machine`: a run whose
     seed has another arm's record from another kind of machine is not trained here (a failure line says
     where it belongs). `stop_at` (a time.time()): a run that would end after it, at the median wall time
-    of the experiment's recorded runs on this kind of machine, is not started (a machine taken away at a
-    known time would lose it). `commit`: each record (with this machine's step-0 scores) is committed in
-    the git checkout that holds `records` as soon as it is written, alone (`commit_files`). Returns one
-    line per failed, refused or unstarted run (nothing is dropped silently)."""
+    of the experiment's recorded runs on this kind of machine (read again as each record lands), is not
+    started (a machine taken away at a known time would lose it). `commit`: each record (with this
+    machine's step-0 scores) is committed in the git checkout that holds `records` as soon as it is
+    written, alone (`commit_files`). Returns one line per failed, refused or unstarted run (nothing is
+    dropped silently)."""
 
     def keep(run: Run) -> None:
         if records is not None:
@@ -689,6 +690,7 @@ def execute(
         return _train(recipe, run, shared, gpu.get(id(run), {}), resume=checkpoint is not None)
 
     def one(run: Run) -> None:
+        nonlocal expected
         start = time.perf_counter()
         if expected is not None and time.time() + expected > stop_at:
             late.append(run)
@@ -711,6 +713,8 @@ def execute(
                 drop_checkpoints(run.dir)
                 with lock:  # written beside the records, committed with them
                     keep_step0_scores(shared, records, env)
+                    if expected is not None:  # the median moves as this machine's records land
+                        expected = expected_seconds(records, env)
                     if commit:
                         where = [record_path(records, run.arm, run.seed), step0_file(records, env)]
                         commit_files(where, f"{name}: record {run.arm} seed {run.seed} ({now()})", log)

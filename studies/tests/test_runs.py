@@ -680,6 +680,37 @@ def test_a_run_that_would_end_after_the_stop_time_is_not_started(tmp_path, monke
     assert len(calls) == 3
 
 
+def test_the_stop_time_rule_reads_the_records_that_land_while_it_runs(tmp_path, monkeypatch) -> None:
+    """The median that decides whether a run still fits is read again as each run's record lands: a first
+    record of 2 h and one of a few seconds make it 1 h, so the next run starts where the first one's 2 h
+    would have refused it."""
+    chosen = [r for r in plan(load_experiment("walk"), tmp_path) if r.seed in (0, 1)][:3]
+    here = {"device": "cpu", "cpus": 2, "cpu_bf16": [], "machine": "x86_64", "torch": "9.8"}
+    monkeypatch.setattr(runs, "environment", lambda: here)
+    clock = [time.time()]
+    calls: list[str] = []
+    fake = _fake_train(calls)
+
+    def train(*args, **kwargs):  # each run takes an hour of the clock the stop rule reads
+        clock[0] += 3600
+        return fake(*args, **kwargs)
+
+    monkeypatch.setattr(runs, "_train", train)
+    records = tmp_path / "records"
+    runs.execute("walk", "walk", chosen[:1], jobs=1, log=lambda _: None, records=records)
+    path = record_path(records, chosen[0].arm, chosen[0].seed)
+    rec = read_record(path)
+    finished = datetime.datetime.fromisoformat(rec["finished"])
+    write_record(path, {**rec, "attempt_started": (finished - datetime.timedelta(hours=2)).isoformat()})
+    monkeypatch.setattr(runs.time, "time", lambda: clock[0])
+    stop = clock[0] + 2.5 * 3600
+    quiet = lambda _: None  # noqa: E731
+    lines = runs.execute("walk", "walk", chosen[1:], jobs=1, log=quiet, records=records, stop_at=stop)
+    # the second run starts at +0 (2 h fits), the third at +1 h with the median of 2 h and ~0 s: 1 h
+    assert calls == [f"{r.arm}/{r.seed}" for r in chosen] and lines == []
+    assert runs.expected_seconds(records, here) < 3600
+
+
 def test_stop_at_reads_the_next_such_time_in_utc() -> None:
     from studies.cli import stop_time
 
