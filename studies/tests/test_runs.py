@@ -872,3 +872,40 @@ def test_same_machine_keeps_a_seeds_arms_on_one_kind_of_machine(tmp_path, monkey
     assert runs.machine_kind({**here, "cpu_bf16": []}) != runs.machine_kind(
         {**here, "cpu_bf16": ["amx_bf16"]}
     )
+
+
+def test_next_run_takes_another_seeds_run_before_a_second_arm_of_a_seed_in_flight() -> None:
+    def r(arm: str, seed: int) -> runs.Run:
+        return runs.Run(arm, seed, Path(f"{arm}/{seed}"), {})
+
+    pending = [r("a", 0), r("b", 0), r("a", 1), r("b", 1)]
+    assert runs.next_run(pending, runs.Counter({0: 1})) is pending[2]
+    assert runs.next_run(pending, runs.Counter({0: 1, 1: 1})) is pending[0]  # no other seed: the first
+    assert runs.next_run(pending, runs.Counter()) is pending[0]
+
+
+def test_two_jobs_never_train_two_arms_of_one_seed_at_once_while_another_seed_waits(
+    tmp_path, monkeypatch
+) -> None:
+    """The plan is seed by seed; started in that order, two jobs would put a seed's first two arms side
+    by side, and both would compute the seed's step-0 score before either had cached it."""
+    exp = load_experiment("walk")
+    todo = [r for r in plan(exp, tmp_path / "runs") if r.seed in (0, 1)]
+    assert todo[0].seed == todo[1].seed == 0  # seed-major: the order that would pair them
+    fake, guard = _fake_train([]), runs.threading.Lock()
+    flying: list[int] = []
+    overlaps: list[tuple[int, ...]] = []
+
+    def train(recipe, run, heldout_cache=None, env=None, resume=False):
+        with guard:
+            flying.append(run.seed)
+            if len(flying) != len(set(flying)):
+                overlaps.append(tuple(flying))
+        time.sleep(0.05)
+        with guard:
+            flying.remove(run.seed)
+        return fake(recipe, run, heldout_cache, env, resume)
+
+    monkeypatch.setattr(runs, "_train", train)
+    assert runs.execute("walk", "walk", todo, jobs=2, log=lambda _: None) == []
+    assert overlaps == [] and all(runs.is_done(r) for r in todo)
