@@ -26,7 +26,7 @@ from typing import Any
 
 from otbrl.app.recipe import load_recipe
 from otbrl.tasks import dataset
-from studies.compare import gap_row, picks_and_gate
+from studies.compare import gap_row, picks_and_gate, power_text
 from studies.experiment import arm_names, experiment_names, load_experiment, pilot_plan, pilot_seeds
 from studies.inference import (
     HELD,
@@ -150,6 +150,9 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
             else "all endpoints must agree (registered before primary endpoints)"
         )
         result = verdict_text(c)
+        planned = power_text(exp, c)
+        if planned:  # an inconclusive verdict is read at the power the seeds were planned for
+            decides = f"{decides}; {planned}"
         if missing:
             result, decides = NOT_TESTED, f"{decides}; not tested: {missing}"
         if c.get("interim"):  # in the bold verdict, so the README's headline carries it too
@@ -601,12 +604,13 @@ STUDIES = {  # results JSON -> the command that writes it
     "tir": "python -m studies compare tir",
     "tir2": "python -m studies compare tir2",
     "smollm2": "python -m studies compare smollm2",
+    "smollm2c": "python -m studies compare smollm2c",
 }
 
 
 # an experiment -> the one that replaces it: once the successor has results, the old rows move to the
 # superseded list (the old page stays, and says why)
-SUCCESSORS = {"walk": "walk3", "tir": "tir2"}
+SUCCESSORS = {"walk": "walk3", "tir": "tir2", "smollm2": "smollm2c"}
 # designs that never reached their reported runs: their pilot pages say why
 STOPPED_AT_PILOT = {
     "walk2": "its pilot failed the must-learn gate (GRPO N=32 +0.125 < 0.15); walk3 replaces it",
@@ -722,7 +726,8 @@ def gap_section(studies: dict[str, dict[str, Any] | None], results: Path = Path(
         "",
         "Against GRPO N=32 at 3x the tokens, as the paper states claim (b), "
         + ("only a task piloted for it (below) shows the gap" if shown else "no task here shows the gap")
-        + ". On walk3 GRPO at N=4 matches N=32. On smollm2 the three N=32 seeds decide nothing. walk2's "
+        + ". On walk3 GRPO at N=4 matches N=32. On smollm2 the three N=32 seeds decide nothing; "
+        "smollm2c, the real-model verdict, has no N=32 arm (why: below). walk2's "
         "N=32 arm failed its learning gate. "
         + (
             f"{names} {'were' if len(piloted) > 1 else 'was'} piloted for the gap itself (below); "
@@ -744,8 +749,19 @@ def gap_section(studies: dict[str, dict[str, Any] | None], results: Path = Path(
     ]
 
 
+def dropped_lines() -> list[str]:
+    """What each experiment's protocol left out of its claims before its runs, and why (`dropped:`)."""
+    return [
+        f"- `{name}`: {what}: {why}"
+        for name in experiment_names()
+        for what, why in load_experiment(name).dropped.items()
+    ]
+
+
 def write_claims(results: Path = Path("docs/results")) -> Path:
-    var, var_walk, walk, walk3, ladder, tir, tir2, smollm2 = (_load(results, n) for n in STUDIES)
+    loaded = {n: _load(results, n) for n in STUDIES}
+    var, var_walk, walk, walk3, ladder, tir, tir2 = (loaded[n] for n in list(STUDIES)[:7])
+    smollm2, smollm2c = loaded["smollm2"], loaded["smollm2c"]
     superseded = [old for old, new in SUCCESSORS.items() if _load(results, new) is not None]
     rows: list[Row] = []
     missing: list[str] = []
@@ -757,7 +773,9 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         out = fn(study)
         rows.extend(out if isinstance(out, list) else [out])
 
-    add(smollm2, "smollm2", lambda r: comparison_rows(r, "smollm2"))  # the real model: read first
+    add(smollm2c, "smollm2c", lambda r: comparison_rows(r, "smollm2c"))  # the real model: read first
+    if "smollm2" not in superseded:
+        add(smollm2, "smollm2", lambda r: comparison_rows(r, "smollm2"))
     for name in STUDIES_A:  # (a) under its registered protocols (issue 33), each once it is registered
         registered = mechanism_claim(results, protocol_path(name))
         if registered is not None:
@@ -778,7 +796,8 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
     if var is not None:
         rows.append(loo_question(var))
     pvalues: dict[tuple[str, str], float] = {}
-    for study, name in ((smollm2, "smollm2"), (walk3, "walk3"), (tir2, "tir2"), (walk, "walk"), (tir, "tir")):
+    for name in ("smollm2c", "smollm2", "walk3", "tir2", "walk", "tir"):
+        study = loaded[name]
         if study is not None and name not in superseded:
             pvalues.update(comparison_pvalues(study, name))
     for study in (var, var_walk):
@@ -787,9 +806,9 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
     lines = [
         "# The paper's claims, measured here",
         "",
-        "Tiny Qwen2 models (0.5M parameters) on built-in tasks, and SmolLM2-135M-Instruct (the smollm2 "
-        "rows), on a 2-core CPU (some runs on a lent GPU: each page lists where its runs were trained): a "
-        "small-scale check of the mechanisms, not of the paper's 7B numbers. "
+        "Tiny Qwen2 models (0.5M parameters) on built-in tasks, and SmolLM2-135M-Instruct (the smollm2c "
+        "and smollm2 rows), on a 2-core CPU (some runs on a lent GPU: each page lists where its runs were "
+        "trained): a small-scale check of the mechanisms, not of the paper's 7B numbers. "
         "Each row's verdict follows the rule stated in it, "
         "applied to the numbers in the linked pages; regenerate this page with `python -m studies claims` "
         "after the "
@@ -813,7 +832,7 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
         "",
         *holm_section(rows, pvalues),
         "",
-        *gap_section({"walk3": walk3, "tir2": tir2, "smollm2": smollm2}, results),
+        *gap_section({"walk3": walk3, "tir2": tir2, "smollm2": smollm2, "smollm2c": smollm2c}, results),
         "",
         "**Protocol changes after a first run started.**",
         "",
@@ -839,6 +858,9 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
     ]
     if stopped:
         lines += ["", "Stopped at the pilot: " + "; ".join(stopped) + "."]
+    left_out = dropped_lines()
+    if left_out:
+        lines += ["", "Left out of the claims before their runs, and why:", "", *left_out]
     if missing:
         lines += ["", "Not run yet: " + ", ".join(sorted(set(missing))) + "."]
     out = results / "claims.md"
@@ -871,9 +893,8 @@ def readme_block(claims_md: Path, readme: Path) -> str:
                     f"**{(verdict[1] or verdict[2]).strip()}**" if verdict else cells[2],
                 ]
             )
-        keeping = line.startswith(("**Protocol changes", "Not run yet", "Superseded", "Stopped at")) or (
-            keeping and (line.startswith("- ") or line == "")
-        )
+        heads = ("**Protocol changes", "Not run yet", "Superseded", "Stopped at", "Left out of the claims")
+        keeping = line.startswith(heads) or (keeping and (line.startswith("- ") or line == ""))
         if keeping or (line == "" and keep and keep[-1] != ""):
             keep.append(line)
     body = "\n".join(

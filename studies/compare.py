@@ -233,17 +233,22 @@ def cost_table(result: dict[str, Any]) -> str:
     evaluations, with whatever else the machine ran beside it), median training minutes, and the runs one
     process finishes an hour at that median. Empty when no record stamps its times."""
     by_env: dict[str, list[tuple[float, float]]] = {}
+    spans: dict[str, list[tuple[float, float]]] = {}
     for runs in result["runs"].values():
         for r in runs:
             wall = r.get("wall_seconds", math.nan)
             if wall == wall and wall > 0:
-                by_env.setdefault(r.get("where", "not recorded"), []).append((wall, r["train_seconds"]))
+                env = r.get("where", "not recorded")
+                by_env.setdefault(env, []).append((wall, r["train_seconds"]))
+                if r.get("span") and env != "not recorded":  # unnamed machines may be several
+                    spans.setdefault(env, []).append(tuple(r["span"]))
     if not by_env:
         return ""
     rows = []
     for env, times in by_env.items():
         wall = statistics.median(w for w, _ in times) / 60
         train = [t for _, t in times if t == t]
+        busy = busy_seconds(spans.get(env, []))
         rows.append(
             [
                 env,
@@ -251,6 +256,7 @@ def cost_table(result: dict[str, Any]) -> str:
                 f"{wall:.1f}",
                 f"{statistics.median(train) / 60:.1f}" if train else "—",
                 f"{60 / wall:.2f}",
+                f"{len(spans[env]) * 3600 / busy:.2f}" if busy > 0 else "—",
             ]
         )
     head = [
@@ -259,11 +265,25 @@ def cost_table(result: dict[str, Any]) -> str:
         "wall min a run (median)",
         "training min (median)",
         "runs an hour, one process",
+        "runs an hour, as they ran",
     ]
     return (
         "Cost per run, from the records' start and finish times (a run's evaluations included; runs that "
-        "shared a machine with other work took longer):\n\n" + markdown_table(head, rows, aligned=False)
+        "shared a machine with other work took longer). As they ran: runs finished per hour in which at "
+        "least one of them was running on that kind of machine (side by side where they went so; the "
+        "finishing attempt of each, so a run continued from a checkpoint counts from its last start):\n\n"
+        + markdown_table(head, rows, aligned=False)
     )
+
+
+def busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: the time at least one of them was running."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def events(result: dict[str, Any]) -> str:
@@ -291,15 +311,22 @@ def evaluation_noise(exp: Experiment, result: dict[str, Any]) -> str:
     at the arms' mean score p its binomial SD is sqrt(p (1 - p) / (eval_size x eval_samples)) (a lower
     bound when samples of one prompt agree); a paired difference of two evaluations has about sqrt(2) x it."""
     recipe = load_recipe(exp.recipe, {**exp.common, **exp.forced})
-    n = int(recipe["eval_size"]) * int(recipe.get("eval_samples", 1))
+    k = int(recipe.get("eval_samples", 1))
+    n = int(recipe["eval_size"]) * k
     finals = [v for a in result["arms"].values() for v in a.get("held_out", []) if v is not None and v == v]
     if not finals or n < 1:
         return ""
     p = statistics.fmean(finals)
     sd = math.sqrt(p * (1 - p) / n)
+    posed = (
+        "distinct held-out problems, each posed once,"
+        if recipe.get("eval_distinct_problems")
+        else "held-out prompts"
+    )
     return (
         f"Evaluation noise: each held-out score averages {n:,} scored samples ({recipe['eval_size']} "
-        f"prompts x {recipe.get('eval_samples', 1)}); at the arms' mean final score {p:.3f} its binomial SD "
+        f"{posed} x {k} sample{'s' * (k > 1)}); at the arms' mean final score {p:.3f} its "
+        "binomial SD "
         f"is {sd:.3f}, "
         f"and a paired difference of two evaluations about {math.sqrt(2) * sd:.3f} (lower bounds: samples of "
         "one prompt are correlated)."
@@ -380,8 +407,10 @@ def report(
             "max_completion_length",
             "temperature",
             "eval_size",
+            "eval_distinct_problems",
+            "eval_samples",
         )
-        if k in base
+        if k in base and (k not in ("eval_distinct_problems", "eval_samples") or base[k] not in (False, 1))
     )
     arms = "\n".join(f"- `{a}`: {json.dumps(o)}, seeds {exp.arm_seeds(a)}" for a, o in exp.arms.items())
     parts_protocol = protocol_text(exp, result)
@@ -429,12 +458,23 @@ def report(
         )
         if any(c.get("controls") for c in result["comparisons"]):
             parts.append(CONTROLS_NOTE)
+        planned = power_text(exp)
+        if planned:
+            parts.append(
+                f"Power: {planned}, from the pilot's power calculation ([{exp.name}-pilot.md]"
+                f"({exp.name}-pilot.md)); an inconclusive verdict is read at that power."
+            )
         noise = evaluation_noise(exp, result)
         parts += [noise] if noise else []
         parts += (
             [where_table(result)]
             if any(h.get("by_where") for c in result["comparisons"] for h in c["heldout"])
             else []
+        )
+    if exp.dropped:
+        parts.append(
+            "Left out of the claims before any run, and why:\n\n"
+            + "\n".join(f"- {what}: {why}" for what, why in exp.dropped.items())
         )
     cost = cost_table(result)
     parts += [cost] if cost else []
@@ -896,11 +936,45 @@ def _fmt(value: float | None, sign: bool = False) -> str:
     return "—" if value is None else (f"{value:+.3f}" if sign else f"{value:.3f}")
 
 
+def power_settings(exp: Experiment) -> dict[str, Any]:
+    """The power calculation's settings: the pilot's `power` section over the defaults (80% power at a
+    true difference of 0.03, the SD planned at its upper 80% confidence limit)."""
+    return {"power": 0.8, "effect": 0.03, "sd_level": 0.8, **((exp.pilot or {}).get("power") or {})}
+
+
+def power_text(exp: Experiment, comparison: dict[str, Any] | None = None) -> str:
+    """The power the reported seeds were planned for, in words (empty without a power calculation in
+    the YAML): an inconclusive verdict is read at this power. With `comparison`, its own alternative: a
+    true difference of the effect (`better`), or of 0 against the floor -margin (`matches`)."""
+    power = exp.power or {}
+    if "seeds" not in power:
+        return ""
+    if comparison is not None and not {comparison["candidate"], comparison["baseline"]} <= set(piloted(exp)):
+        return ""  # an arm fixed outside the pilot: the calculation had no data on this comparison
+    settings = power_settings(exp)
+    kinds = {c.get("kind", "better") for c in ([comparison] if comparison else exp.comparisons)}
+    alternative = " or ".join(
+        f"a true difference of {float(settings['effect']):+g}"
+        if kind == "better"
+        else "a true difference of 0 against the margin"
+        for kind in sorted(kinds)
+    )
+    needed = power.get("seeds_needed")
+    needed = max(needed) if isinstance(needed, list) and needed else needed
+    why = [f"the pilot's variance called for {needed}"] if needed is not None else []
+    if power.get("min_seeds"):
+        why.append(f"the protocol's floor is {power['min_seeds']}")
+    return (
+        f"{power['seeds']} seeds a compared arm, planned for {float(settings['power']):.0%} power to say "
+        f"held at {alternative}" + (f" ({'; '.join(why)})" if why else "")
+    )
+
+
 def power_plans(exp: Experiment, runs: list[Run], records: Path | None) -> list[dict[str, Any]]:
     """The power calculation of each comparison from the pilot's variance seeds: paired differences of
     held-out reward at the comparison's primary budget (its last budget without one), the planned SD
     (an upper confidence limit, `inference.sd_upper`) and the seeds that reach the protocol's power."""
-    settings = {"power": 0.8, "effect": 0.03, "sd_level": 0.8, **((exp.pilot or {}).get("power") or {})}
+    settings = power_settings(exp)
     by_arm: dict[str, dict[int, float]] = {}
     for r in runs:
         d = _run_data(r, records)
@@ -970,13 +1044,15 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
         picked = [r for r in stage1 if r.overrides["learning_rate"] == picks.get(r.arm.rpartition("@")[0])]
         plans = power_plans(exp, picked + stage2, records)
         need = [p["seeds"] for p in plans]
+        floor = int((exp.power or {}).get("min_seeds", 0))
+        have = (exp.power or {}).get("seeds")
         if any(n is None for n in need) or not need:
             problems.append("the pilot's variance seeds are not all run, or call for more than 200 seeds")
-        elif exp.power is None or int(exp.power["seeds"]) < max(need):
-            have = None if exp.power is None else exp.power.get("seeds")
+        elif have is None or int(have) < max(*need, floor):
             problems.append(
-                f"power: the pilot's variance calls for {max(need)} seeds per compared arm; the "
-                f"YAML's power section says {have}"
+                f"power: the pilot's variance calls for {max(need)} seeds per compared arm"
+                + (f" and the protocol's floor is {floor}" if floor else "")
+                + f"; the YAML's power section says {have}"
             )
     return problems
 
@@ -1132,7 +1208,8 @@ def pilot_page(
             "confidence limit of their SD; seeds: the fewest for which the verdict rule says held with "
             f"probability ≥ {target:g} when the true difference is δ ({exp.confidence:.0%} t interval above "
             "the floor; "
-            "`studies.inference`). The YAML's `power.seeds` must be at least the largest.\n\n"
+            "`studies.inference`). The YAML's `power.seeds` must be at least the largest (and at least "
+            "`power.min_seeds`, the protocol's floor, where it sets one).\n\n"
             + markdown_table(
                 [
                     "comparison",

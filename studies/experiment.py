@@ -32,6 +32,8 @@ The fair protocol's keys, fixed before the runs:
             variance_seeds: [101, 102, 103]}       # gain at its picked rate; then the picked rates on
                                                    # these seeds give the variance the power needs
     power: {power: 0.8, effect: 0.03, sd: ..., seeds: ...}   # filled from the pilot's page, checked
+    power: {min_seeds: 16}                         # a floor fixed before the pilot: `seeds` must meet it
+    dropped: {"N=4 vs N=32": "why"}                # comparisons left out of the claims before the runs
 
 The protocol (the whole file but `description` and `quick`) is registered when the first run starts and
 every run records its hash (`runs`); a later change needs `python -m studies compare NAME --amend REASON`.
@@ -83,7 +85,12 @@ class Experiment:
     # consecutive steps (a window that the run's end truncates does not count)
     collapse_steps: int = 10
     surge_factor: float = 3.0  # surge: smoothed pre-clip grad norm > factor x its trailing median
-    power: dict[str, Any] | None = None  # the power calculation (from the pilot's variance)
+    # the power calculation (from the pilot's variance): `seeds` per compared arm, filled in by hand from the
+    # pilot's page; `min_seeds`, a floor fixed before the pilot (issue 34: at least 16) that `seeds` must meet
+    power: dict[str, Any] | None = None
+    # what the protocol leaves out of its claims, decided before its runs: {what: why}, on the page and in
+    # claims.md (smollm2c: the N=32 comparison, out of reach here)
+    dropped: dict[str, str] = field(default_factory=dict)
     # the phenomenon the claims are about, as it must show in the compared runs, e.g. {length_cv_run: 0.3}
     # (the within-group length CV averaged over every step of every run); a verdict needs it
     phenomenon: dict[str, float] = field(default_factory=dict)
@@ -203,15 +210,32 @@ def _check_protocol(path: Path, exp: Experiment) -> None:
                         raise ValueError(
                             f"experiment {path}: pilot: gate gap {role} {gap[role]!r} is not an arm"
                         )
+    if not isinstance(exp.dropped, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in exp.dropped.items()
+    ):
+        raise ValueError(f"experiment {path}: dropped maps what the claims leave out to why (text)")
     if exp.power is not None:
-        if not isinstance(exp.power, dict) or "seeds" not in exp.power:
+        if not isinstance(exp.power, dict) or not {"seeds", "min_seeds"} & set(exp.power):
             raise ValueError(f"experiment {path}: power needs seeds (the seeds per arm it calls for)")
-        few = [a for a in exp.arms if len(exp.arm_seeds(a)) < int(exp.power["seeds"])]
+        floor = int(exp.power.get("min_seeds", 0))
+        seeds = int(exp.power.get("seeds", 0))
+        # a floor alone: the pilot's calculation is not written in yet, so no reported seed may be planned
+        if "seeds" not in exp.power and exp.seeds:
+            raise ValueError(
+                f"experiment {path}: power has a floor ({floor} seeds) but no seeds from the pilot's "
+                "power calculation, and the experiment plans reported seeds"
+            )
+        if "seeds" in exp.power and seeds < floor:
+            raise ValueError(
+                f"experiment {path}: power calls for {seeds} seeds, under the protocol's floor of {floor} "
+                "(min_seeds)"
+            )
+        few = [a for a in exp.arms if len(exp.arm_seeds(a)) < seeds]
         compared = {c[k] for c in exp.comparisons for k in ("candidate", "baseline")}
         few = [a for a in few if a in compared]
         if few:
             raise ValueError(
-                f"experiment {path}: power calls for {exp.power['seeds']} seeds per compared "
+                f"experiment {path}: power calls for {seeds} seeds per compared "
                 f"arm; {', '.join(few)} {'has' if len(few) == 1 else 'have'} fewer"
             )
 

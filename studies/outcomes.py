@@ -35,7 +35,7 @@ from otbrl.app.plots import MARKERS, STYLES, pyplot, save
 from studies.experiment import Experiment, arm_names
 from studies.inference import NOT_TESTED, Interval, combine, discriminating, paired, t_interval, verdict
 from studies.pages import markdown_table, read_record
-from studies.runs import Run, environment_label, has_record, record_path, wall_seconds
+from studies.runs import Run, attempt_span, environment_label, has_record, record_path, wall_seconds
 
 SURGE_SMOOTH, SURGE_HISTORY = 5, 20
 
@@ -389,17 +389,17 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
             stamps[key] = stamps.get(key, 0) + 1
             started += [rec["started"]] if rec.get("started") else []
             env = environment_label(rec.get("environment"))
-            wall = wall_seconds(rec)
+            wall, span = wall_seconds(rec), attempt_span(rec)
         elif (run.dir / "summary.json").is_file():
             rows = read_metrics(run.dir / "metrics.jsonl")
             summary = json.loads((run.dir / "summary.json").read_text())
             stamps["unstamped"] = stamps.get("unstamped", 0) + 1
-            env, wall = "not recorded", math.nan
+            env, wall, span = "not recorded", math.nan, None
         else:
             continue
         where[env] = where.get(env, 0) + 1
         result = analyse_rows(rows, summary, exp, run.seed, batch)
-        result["where"], result["wall_seconds"] = env, wall
+        result["where"], result["wall_seconds"], result["span"] = env, wall, span
         n = run.overrides.get("num_generations")
         result["prompts_per_step"] = (
             batch // int(n) if n and "per_device_train_batch_size" in run.overrides else None

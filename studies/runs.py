@@ -91,7 +91,16 @@ KEEP_PREFIXES = ("otb/horizon/",)
 # Keys of an experiment's YAML that are not its protocol.
 NOT_PROTOCOL = ("description", "quick")
 # Keys a pilot's protocol leaves out: what the pilot itself decides (rates), or what is decided after it.
-PILOT_LEAVES_OUT = ("seeds", "reference", "roles", "comparisons", "power", "thresholds", "confidence")
+PILOT_LEAVES_OUT = (
+    "seeds",
+    "reference",
+    "roles",
+    "comparisons",
+    "dropped",
+    "power",
+    "thresholds",
+    "confidence",
+)
 ARM_KEYS_PILOT_LEAVES_OUT = ("learning_rate", "seeds")
 
 
@@ -431,18 +440,26 @@ def make_record(run: Run, stamp: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def attempt_span(record: dict[str, Any]) -> tuple[float, float] | None:
+    """(start, finish) of the attempt that finished, as POSIX seconds; None when the record lacks either."""
+    try:
+        start = datetime.datetime.fromisoformat(record.get("attempt_started") or record["started"])
+        end = datetime.datetime.fromisoformat(record["finished"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return start.timestamp(), end.timestamp()
+
+
 def wall_seconds(record: dict[str, Any]) -> float:
     """A run's wall time from its record's start and finish stamps (its evaluations included): from the
     start of the attempt that finished (a run started again from scratch loses the attempts before), or
     from its first start in records made before attempts were stamped, plus the time each earlier attempt
     spent up to the checkpoint the run continued from (`resumed`); NaN when the record lacks either."""
-    try:
-        start = datetime.datetime.fromisoformat(record.get("attempt_started") or record["started"])
-        end = datetime.datetime.fromisoformat(record["finished"])
-    except (KeyError, TypeError, ValueError):
+    span = attempt_span(record)
+    if span is None:
         return math.nan
     earlier = sum(float(r.get("kept_seconds", math.nan)) for r in record.get("resumed", []))
-    return (end - start).total_seconds() + earlier
+    return span[1] - span[0] + earlier
 
 
 def expected_seconds(records: Path | None, env: dict[str, Any]) -> float | None:

@@ -154,7 +154,10 @@ def test_write_claims_reports_what_is_missing(tmp_path) -> None:
     (tmp_path / "walk.json").write_text(json.dumps(_walk_result()))
     text = write_claims(tmp_path).read_text()
     assert "| (a) OTB lowers" in text and "| claim OTB vs GRPO, N=4 |" in text
-    assert "Not run yet: ladder, smollm2, tir, tir2, variance-walk, walk3." in text
+    assert "Not run yet: ladder, smollm2, smollm2c, tir, tir2, variance-walk, walk3." in text
+    # decided before the runs, listed whether or not they have run: smollm2c's N=32 comparison
+    assert "Left out of the claims before their runs, and why:" in text
+    assert "- `smollm2c`: OTB at N=4 against GRPO at N=32 (the paper's claim b): smollm2's N=32" in text
     assert "Stopped at the pilot" not in text  # no walk2-pilot.md here
     (tmp_path / "walk2-pilot.md").write_text("# walk2 pilot\n")
     assert "Stopped at the pilot: `walk2` (its pilot failed" in write_claims(tmp_path).read_text()
@@ -210,6 +213,25 @@ def test_primary_endpoint_and_phenomenon_in_the_rows(tmp_path) -> None:
     for arm in res["arms"].values():
         arm["length_cv_run"] = [0.4, 0.5]
     assert comparison_rows(_registered(res), str(path))[0][2].startswith("**held**")
+    # an experiment whose seeds came from a power calculation: the verdict is read at the power stated
+    path.write_text(path.read_text() + "power: {seeds: 3, seeds_needed: [3, 2]}\n")
+    verdict = comparison_rows(_registered(res), str(path))[0][2]
+    assert verdict.endswith(
+        "3 seeds a compared arm, planned for 80% power to say held at a true difference of +0.03 (the "
+        "pilot's variance called for 3))"
+    )
+
+
+def test_the_real_model_verdict_is_read_first_and_supersedes_smollm2(tmp_path) -> None:
+    res = _walk_result()
+    res["comparisons"] = res["comparisons"][:1]  # otb-N4 − grpo-N4, both arms of smollm2c
+    for name in ("smollm2", "smollm2c"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_registered(res)))
+    text = write_claims(tmp_path).read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| claim OTB vs GRPO")]
+    assert len(rows) == 1 and rows[0].endswith("| `python -m studies compare smollm2c` |")
+    assert "Superseded: [smollm2.md](smollm2.md) by [smollm2c.md](smollm2c.md)." in text
+    assert "smollm2c" not in text.split("Not run yet: ")[-1]
 
 
 def test_censored_runs_are_read_both_ways_in_the_ladder_verdict() -> None:

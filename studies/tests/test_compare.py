@@ -14,6 +14,7 @@ pytest.importorskip("otbrl.integrations.trl")
 
 from otbrl.app.metrics import append_metrics, moving_average, read_metrics, write_metrics  # noqa: E402
 from studies.compare import (  # noqa: E402
+    busy_seconds,
     compare,
     comparisons_table,
     cost_table,
@@ -248,9 +249,18 @@ def test_cost_per_run_by_machine_from_the_records_stamps() -> None:
     }
     text = cost_table(result)
     # cpu A: walls 20, 30, 60 min -> median 30 (2 runs an hour); trains 10, 15, 25 -> 15. gpu B: the one
-    # run with a stamp (5 min, 12 an hour); its training median counts that run only.
-    assert "| cpu A | 3 | 30.0 | 15.0 | 2.00 |" in text
-    assert "| gpu B | 1 | 5.0 | 2.0 | 12.00 |" in text
+    # run with a stamp (5 min, 12 an hour); its training median counts that run only. Neither label names
+    # a CPU count, so the machine's rate is not guessed
+    assert "| cpu A | 3 | 30.0 | 15.0 | 2.00 | — |" in text  # no record spans: not how they ran
+    assert "| gpu B | 1 | 5.0 | 2.0 | 12.00 | — |" in text
+    # as they ran: two side by side from 0 to 60 min, a third from 30 to 90, a gap, a fourth from 120 to
+    # 180 -> busy 150 min for 4 runs (1.60 an hour), where one process finishes 1.00 an hour
+    spans = [(0, 3600), (0, 3600), (1800, 5400), (7200, 10800)]
+    text = cost_table({"runs": {"a": [{**run("cpu C", 3600.0, 3000.0), "span": s} for s in spans]}})
+    assert "| cpu C | 4 | 60.0 | 50.0 | 1.00 | 1.60 |" in text
+    unnamed = {"runs": {"a": [{**run("not recorded", 3600.0, 3000.0), "span": s} for s in spans]}}
+    assert "| not recorded | 4 | 60.0 | 50.0 | 1.00 | — |" in cost_table(unnamed)  # maybe several machines
+    assert busy_seconds([]) == 0 and busy_seconds([(5, 10), (6, 7), (0, 1)]) == 6
     assert cost_table({"runs": {"otb-N4": [run("cpu A", math.nan, 5.0)]}}) == ""
 
 
@@ -435,6 +445,8 @@ def test_quick_mode_end_to_end(tmp_path, name) -> None:
         assert all(t > 0 for t in stats["total_tokens"])
     assert numbers["prompt_problems"] == []  # every arm of the seed saw the same prompts
     assert "Cost per run" in text  # every record stamps its start and finish
+    for what, why in exp.dropped.items():  # what the protocol left out of its claims, with its reason
+        assert f"- {what}: {why}" in text
     starts = {json.dumps(stats["heldout"].get("0")) for stats in numbers["arms"].values()}
     shared = list((tmp_path / "runs" / ".heldout-before").glob("*.json"))
     if exp.common.get("eval_before", True) and "0" in next(iter(numbers["arms"].values()))["heldout"]:

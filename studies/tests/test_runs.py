@@ -909,3 +909,57 @@ def test_two_jobs_never_train_two_arms_of_one_seed_at_once_while_another_seed_wa
     monkeypatch.setattr(runs, "_train", train)
     assert runs.execute("walk", "walk", todo, jobs=2, log=lambda _: None) == []
     assert overlaps == [] and all(runs.is_done(r) for r in todo)
+
+
+def test_the_power_floor_holds_back_reported_runs_the_pilots_calculation_would_allow(tmp_path) -> None:
+    """Issue 34: at least 16 seeds whatever the pilot's variance calls for; the floor is fixed before the
+    pilot (its protocol leaves `power` out), and the page and claims state the power the seeds buy."""
+    from studies.compare import gate_problems, power_text
+    from studies.experiment import pilot_plan, variance_plan
+    from studies.runs import comparable
+
+    head = (
+        "recipe: walk\n"
+        "pilot: {seed: 100, seeds: [100], learning_rates: [1.0e-4], pick: heldout,\n"
+        "        variance_seeds: [101, 102], gate: {heldout_gain: 0.05}, power: {effect: 0.05}}\n"
+        "arms: {a: {learning_rate: 1.0e-4}, b: {learning_rate: 1.0e-4}}\n"
+        "comparisons: [{name: c, kind: better, candidate: a, baseline: b, budgets: [600], primary: 600}]\n"
+    )
+    path = tmp_path / "p.yaml"
+    path.write_text(head + "seeds: []\npower: {min_seeds: 16}\n")
+    exp = load_experiment(str(path))
+    pilot_hash = protocol_hash(protocol(exp.raw, "pilot"))
+    results = tmp_path / "results"
+    records = results / "runs" / "p-pilot"
+    runs_dir = tmp_path / "runs"
+    for run in pilot_plan(exp, runs_dir) + variance_plan(exp, runs_dir, {"a": 1e-4, "b": 1e-4}):
+        end = (0.5 if run.arm.startswith("a@") else 0.44) + 0.01 * (run.seed - 100)  # differences 0.06
+        end += 0.01 * (run.seed == 101) * run.arm.startswith("a@")  # ... 0.07 on one seed: an SD > 0
+        write_record(
+            record_path(records, run.arm, run.seed),
+            {
+                "overrides": comparable(run.overrides),
+                "metrics": _rows([0.3] * 12, heldout={600: end}),
+                "summary": {"held-out reward before": 0.3, "held-out reward after": end},
+            },
+        )
+    (problem,) = gate_problems(exp, results)
+    need = int(re.search(r"calls for (\d+) seeds", problem)[1])
+    assert need < 16 and problem.endswith("the protocol's floor is 16; the YAML's power section says None")
+    assert power_text(exp) == ""  # no seeds planned yet: no power to state
+    with pytest.raises(ValueError, match="under the protocol's floor of 16"):
+        path.write_text(head + f"seeds: {list(range(need))}\npower: {{min_seeds: 16, seeds: {need}}}\n")
+        load_experiment(str(path))
+    with pytest.raises(ValueError, match="no seeds from the pilot's power calculation"):
+        path.write_text(head + "seeds: [0, 1]\npower: {min_seeds: 16}\n")
+        load_experiment(str(path))
+    path.write_text(
+        head + f"seeds: {list(range(16))}\npower: {{min_seeds: 16, seeds: 16, seeds_needed: [{need}]}}\n"
+    )
+    exp = load_experiment(str(path))
+    assert gate_problems(exp, results) == []
+    assert protocol_hash(protocol(exp.raw, "pilot")) == pilot_hash  # the seeds and power: decided after
+    assert power_text(exp) == (
+        "16 seeds a compared arm, planned for 80% power to say held at a true difference of +0.05 (the "
+        f"pilot's variance called for {need}; the protocol's floor is 16)"
+    )
