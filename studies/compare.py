@@ -276,6 +276,19 @@ def cost_table(result: dict[str, Any]) -> str:
     )
 
 
+def machine_splits(result: dict[str, Any]) -> list[str]:
+    """The seeds whose arms' records name more than one machine, each with the machines, arm by arm."""
+    by_seed: dict[int, dict[str, str]] = {}
+    for arm, runs in result["runs"].items():
+        for r in runs:
+            by_seed.setdefault(r["seed"], {})[arm] = r.get("where", "not recorded")
+    return [
+        f"seed {seed}: " + ", ".join(f"{arm} on {where}" for arm, where in arms.items())
+        for seed, arms in sorted(by_seed.items())
+        if len(set(arms.values())) > 1
+    ]
+
+
 def busy_seconds(spans: list[tuple[float, float]]) -> float:
     """The length of the union of (start, end) intervals: the time at least one of them was running."""
     total, reach = 0.0, -math.inf
@@ -421,6 +434,13 @@ def report(
         if not prompts
         else "Same prompts per step: **violated**: " + "; ".join(prompts)
     )
+    if exp.same_machine:
+        split = machine_splits(result)
+        check += " Whole seeds on one kind of machine (`same_machine`, enforced when a run starts): " + (
+            "checked from the records, every seed's arms trained on one machine."
+            if not split
+            else "**violated**: " + "; ".join(split)
+        )
     failed = "\n".join(f"- {f}" for f in failures) or "none"
     parts = [
         f"# Experiment `{exp.name}`\n\n{exp.description}",

@@ -19,6 +19,7 @@ from studies.compare import (  # noqa: E402
     comparisons_table,
     cost_table,
     events,
+    machine_splits,
     picks_and_gate,
     pilot,
     pilot_grids,
@@ -447,6 +448,8 @@ def test_quick_mode_end_to_end(tmp_path, name) -> None:
     assert "Cost per run" in text  # every record stamps its start and finish
     for what, why in exp.dropped.items():  # what the protocol left out of its claims, with its reason
         assert f"- {what}: {why}" in text
+    if exp.same_machine:  # one machine trained every arm here
+        assert "checked from the records, every seed's arms trained on one machine." in text
     starts = {json.dumps(stats["heldout"].get("0")) for stats in numbers["arms"].values()}
     shared = list((tmp_path / "runs" / ".heldout-before").glob("*.json"))
     if exp.common.get("eval_before", True) and "0" in next(iter(numbers["arms"].values()))["heldout"]:
@@ -663,3 +666,13 @@ def test_the_pilot_grids_average_every_pilot_seed_and_say_which_are_still_to_run
     assert cvs == [["a", "0.500", "1 of 2 seeds run"]]
     scores = picks_and_gate(exp, runs, None)[1]
     assert scores == [["a", "0.450", "1 of 2 seeds run", "pending"]]
+
+
+def test_machine_splits_name_each_seed_whose_arms_trained_apart() -> None:
+    def r(seed: int, where: str) -> dict:
+        return {"seed": seed, "where": where}
+
+    result = {"runs": {"otb-N4": [r(0, "cpu X"), r(1, "cpu X")], "grpo-N4": [r(0, "cpu X"), r(1, "gpu Y")]}}
+    assert machine_splits(result) == ["seed 1: otb-N4 on cpu X, grpo-N4 on gpu Y"]
+    result["runs"]["grpo-N4"][1]["where"] = "cpu X"
+    assert machine_splits(result) == []
