@@ -97,6 +97,13 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
             f"`python -m studies compare {experiment}`"
         )
     task = horizon(res, exp.recipe)
+    recipe = load_recipe(exp.recipe, {**exp.common, **exp.forced})
+    if recipe.get("eval_distinct_problems"):  # what an evaluation measures: distinct problems, not wordings
+        k = int(recipe.get("eval_samples", 1))
+        task += (
+            f"; each held-out score over {recipe['eval_size']} distinct held-out problems x {k} "
+            f"sample{'s' * (k > 1)}"
+        )
     note = provenance(res, exp)
     rows = []
     for c in res["comparisons"]:

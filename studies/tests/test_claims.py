@@ -230,6 +230,8 @@ def test_the_real_model_verdict_is_read_first_and_supersedes_smollm2(tmp_path) -
     text = write_claims(tmp_path).read_text()
     rows = [line for line in text.splitlines() if line.startswith("| claim OTB vs GRPO")]
     assert len(rows) == 1 and rows[0].endswith("| `python -m studies compare smollm2c` |")
+    posed = "; each held-out score over 256 distinct held-out problems x 4 samples; otb-N4 − grpo-N4"
+    assert posed in rows[0]
     assert "Superseded: [smollm2.md](smollm2.md) by [smollm2c.md](smollm2c.md)." in text
     assert "smollm2c" not in text.split("Not run yet: ")[-1]
 
