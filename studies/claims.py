@@ -26,7 +26,7 @@ from typing import Any
 
 from otbrl.app.recipe import load_recipe
 from otbrl.tasks import dataset
-from studies.compare import gap_row, picks_and_gate, power_text
+from studies.compare_page import power_text
 from studies.experiment import arm_names, experiment_names, load_experiment, pilot_plan, pilot_seeds
 from studies.inference import (
     HELD,
@@ -44,6 +44,7 @@ from studies.inference import (
 from studies.multiplicity import holm, p_above, p_ratio_below
 from studies.outcomes import cells, critical_lr, phenomenon_missing, split, stability_verdict
 from studies.pages import kilo, markdown_table
+from studies.pilot import gap_row, picks_and_gate
 from studies.variance_a import STUDIES as STUDIES_A
 from studies.variance_a import mechanism_claim, protocol_path
 from studies.variance_page import GROUP_MEAN, command, ratio_name, task_horizon
@@ -658,7 +659,7 @@ def _load_json(path: Path) -> dict[str, Any] | None:
 def gap_pilots(results: Path) -> list[tuple[str, str, bool | None]]:
     """Pilots that tested the gap itself (a `gate.gap` in their protocol), read from their committed
     records: the larger group at its budget against the smaller at its own, each at its pick, averaged
-    over the pilot seeds (`compare.gap_row`). One (experiment, line, whether the gap passed; None:
+    over the pilot seeds (`pilot.gap_row`). One (experiment, line, whether the gap passed; None:
     pending) each."""
     lines = []
     for name in experiment_names():

@@ -13,17 +13,13 @@ pytest.importorskip("trl")
 pytest.importorskip("otbrl.integrations.trl")
 
 from otbrl.app.metrics import append_metrics, moving_average, read_metrics, write_metrics  # noqa: E402
-from studies.compare import (  # noqa: E402
+from studies.compare import compare, pilot  # noqa: E402
+from studies.compare_page import (  # noqa: E402
     busy_seconds,
-    compare,
     comparisons_table,
     cost_table,
     events,
     machine_splits,
-    picks_and_gate,
-    pilot,
-    pilot_grids,
-    pilot_page,
     table,
 )
 from studies.experiment import (  # noqa: E402
@@ -35,6 +31,7 @@ from studies.experiment import (  # noqa: E402
 )
 from studies.outcomes import analyse, collapse_step, surge_steps, wall_seconds  # noqa: E402
 from studies.pages import markdown_table  # noqa: E402
+from studies.pilot import picks_and_gate, pilot_grids, pilot_page  # noqa: E402
 from studies.runs import Run  # noqa: E402
 
 

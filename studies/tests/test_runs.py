@@ -162,7 +162,7 @@ def test_primary_endpoint_alone_decides_and_secondaries_cannot_veto(tmp_path) ->
 
 
 def test_a_verdict_before_every_planned_seed_has_run_says_it_is_interim() -> None:
-    from studies.compare import comparisons_table
+    from studies.compare_page import comparisons_table
     from studies.outcomes import compare_arms
 
     spec = {
@@ -232,8 +232,8 @@ def test_seeds_needed_is_the_fewest_with_enough_power() -> None:
 
 
 def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
-    from studies.compare import gate_problems
     from studies.experiment import pilot_plan
+    from studies.pilot import gate_problems
 
     path = tmp_path / "g.yaml"
     path.write_text(
@@ -269,7 +269,7 @@ def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
         rec["summary"]["held-out reward after"] = 0.3 + gains[(arm, lr)]
         write_record(p, rec)
     assert gate_problems(exp, results) == []
-    from studies.compare import pilot_page
+    from studies.pilot import pilot_page
 
     page, picks = pilot_page(
         exp, pilot_plan(exp, tmp_path / "runs"), results, "cmd", log=lambda _: None, records=records
@@ -280,7 +280,7 @@ def test_gate_blocks_reported_runs_until_the_pilot_passes(tmp_path) -> None:
     assert "| a | 0.435 | 0.435 |" in text  # whole-run length CV: mean of 0.40 .. 0.47
     assert "![held-out and train reward of every pilot run](g-pilot.png)" in text
     assert (results / "g-pilot.png").stat().st_size > 10_000
-    from studies.compare import pilot_curves
+    from studies.pilot import pilot_curves
 
     curves, levels = pilot_curves(exp, pilot_plan(exp, tmp_path / "runs"), records, picks)
     assert levels == {"a": (1e-4, pytest.approx(0.35)), "b": (2e-4, pytest.approx(0.45))}  # step 0 + gain
@@ -399,7 +399,7 @@ def test_the_ladder_table_shows_the_held_out_reward_at_the_end_of_each_rung() ->
 
 
 def test_a_step_bounded_experiment_reports_the_held_out_reward_at_the_end() -> None:
-    from studies.compare import table
+    from studies.compare_page import table
     from studies.experiment import load_experiment
 
     exp = load_experiment("ladder")
@@ -914,8 +914,9 @@ def test_two_jobs_never_train_two_arms_of_one_seed_at_once_while_another_seed_wa
 def test_the_power_floor_holds_back_reported_runs_the_pilots_calculation_would_allow(tmp_path) -> None:
     """Issue 34: at least 16 seeds whatever the pilot's variance calls for; the floor is fixed before the
     pilot (its protocol leaves `power` out), and the page and claims state the power the seeds buy."""
-    from studies.compare import gate_problems, power_text
+    from studies.compare_page import power_text
     from studies.experiment import pilot_plan, variance_plan
+    from studies.pilot import gate_problems
     from studies.runs import comparable
 
     head = (
