@@ -768,8 +768,8 @@ def dropped_lines() -> list[str]:
 
 def write_claims(results: Path = Path("docs/results")) -> Path:
     loaded = {n: _load(results, n) for n in STUDIES}
-    var, var_walk, walk, walk3, ladder, tir, tir2 = (loaded[n] for n in list(STUDIES)[:7])
-    smollm2, smollm2c = loaded["smollm2"], loaded["smollm2c"]
+    names = ("variance", "variance-walk", "walk", "walk3", "ladder", "tir", "tir2", "smollm2", "smollm2c")
+    var, var_walk, walk, walk3, ladder, tir, tir2, smollm2, smollm2c = (loaded[n] for n in names)
     superseded = [old for old, new in SUCCESSORS.items() if _load(results, new) is not None]
     rows: list[Row] = []
     missing: list[str] = []
