@@ -80,8 +80,10 @@ def _execute(
     stamp: dict[str, Any],
     stop_at: float | None = None,
     commit: bool = False,
+    same_machine: bool | None = None,
 ) -> list[str]:
-    """`execute` with what every stage of an experiment shares: its recipe and machine rule."""
+    """`execute` with what every stage of an experiment shares: its recipe and machine rule (`same_machine`
+    overrides the experiment's for one stage)."""
     return execute(
         label,
         exp.recipe,
@@ -90,7 +92,7 @@ def _execute(
         log=log,
         records=records,
         stamp=stamp,
-        same_machine=exp.same_machine,
+        same_machine=exp.same_machine if same_machine is None else same_machine,
         stop_at=stop_at,
         commit=commit,
     )
@@ -201,7 +203,21 @@ def pilot(
             f"{exp.name} pilot: {len(share)} of {len(runs)} runs ({pilot_seeds_text(exp)}; arms "
             f"{arms or 'all'}) in {runs_dir}; protocol {stamp['hash']}"
         )
-        failures = _execute(exp, f"{exp.name} pilot", share, jobs, log, records, stamp, stop_at, commit)
+        # the first stage's pick and gate read arm by arm, each run against its own step-0 score, so its
+        # seeds may span machines where the protocol says so; the variance stage's pairs may not
+        anywhere = exp.pilot.get("first_stage_any_machine", False)
+        failures = _execute(
+            exp,
+            f"{exp.name} pilot",
+            share,
+            jobs,
+            log,
+            records,
+            stamp,
+            stop_at,
+            commit,
+            exp.same_machine and not anywhere,
+        )
     if failures:
         raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
     picks, _, _, ok = picks_and_gate(exp, runs, records)

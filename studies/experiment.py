@@ -31,6 +31,9 @@ The fair protocol's keys, fixed before the runs:
     pilot: {..., gate: {heldout_gain: 0.05, arms: {grpo-N32: 0.15}},   # every arm must learn: held-out
             variance_seeds: [101, 102, 103]}       # gain at its picked rate; then the picked rates on
                                                    # these seeds give the variance the power needs
+    pilot: {..., first_stage_any_machine: true}    # with same_machine: the first stage's seeds may span
+                                                   # machines (its pick and gate read arm by arm); the
+                                                   # variance seeds and reported seeds keep one a seed
     power: {power: 0.8, effect: 0.03, sd: ..., seeds: ...}   # filled from the pilot's page, checked
     power: {min_seeds: 16}                         # a floor fixed before the pilot: `seeds` must meet it
     dropped: {"N=4 vs N=32": "why"}                # comparisons left out of the claims before the runs
@@ -56,7 +59,17 @@ EXPERIMENTS = Path(__file__).resolve().parent / "experiments"
 # An arm's keys that are the experiment's, not recipe overrides: its own seeds, ladder rungs and pilot rates
 ARM_KEYS = ("seeds", "ladder", "pilot_learning_rates")
 # A pilot's keys that are the experiment's; any other key of `pilot:` is a recipe override for its runs
-PILOT_KEYS = ("seed", "seeds", "pick", "learning_rates", "token_factor", "gate", "variance_seeds", "power")
+PILOT_KEYS = (
+    "seed",
+    "seeds",
+    "pick",
+    "learning_rates",
+    "token_factor",
+    "gate",
+    "variance_seeds",
+    "power",
+    "first_stage_any_machine",
+)
 
 
 @dataclass
@@ -190,6 +203,8 @@ def _check_protocol(path: Path, exp: Experiment) -> None:
             raise ValueError(f"experiment {path}: pilot: seeds must be distinct and hold the pilot seed")
         if exp.pilot.get("pick", "train") not in ("train", "heldout"):
             raise ValueError(f"experiment {path}: pilot: pick must be train or heldout")
+        if not isinstance(exp.pilot.get("first_stage_any_machine", False), bool):
+            raise ValueError(f"experiment {path}: pilot: first_stage_any_machine must be true or false")
         pilot_seeds = [*seeds, *exp.pilot.get("variance_seeds", [])]
         if set(pilot_seeds) & set(exp.seeds):
             both = ", ".join(map(str, sorted(set(pilot_seeds) & set(exp.seeds))))

@@ -25,7 +25,9 @@ from studies.pages import kilo, markdown_table, read_record
 from studies.plots import plot_pilot
 from studies.runs import (
     Run,
+    environment_label,
     has_record,
+    machine_kind,
     record_path,
     registration,
 )
@@ -367,6 +369,49 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
     return problems
 
 
+def machines_text(exp: Experiment, runs: list[Run], records: Path | None) -> str:
+    """Where the pilot's recorded runs trained, and the seeds whose runs span machines (with
+    `first_stage_any_machine`, the first stage's may: each gain is against its own machine's step-0 score,
+    but a power pair on such a seed also differs by machine). "" when no record names a machine."""
+    envs = {
+        (r.seed, r.arm): read_record(record_path(records, r.arm, r.seed)).get("environment")
+        for r in runs
+        if has_record(r, records)
+    }
+    # one label a kind of machine: early records of a kind may not name the CPU that later ones name
+    names = {machine_kind(e): environment_label(e) for e in envs.values() if e and e.get("cpu_name")}
+    where: dict[int, dict[str, str]] = {}
+    for (seed, arm), env in envs.items():
+        where.setdefault(seed, {})[arm] = names.get(machine_kind(env), environment_label(env))
+    counts: dict[str, int] = {}
+    for arms in where.values():
+        for w in arms.values():
+            counts[w] = counts.get(w, 0) + 1
+    if not counts or set(counts) == {"not recorded"}:
+        return ""
+    text = "Trained on: " + "; ".join(f"{n} runs on {w}" for w, n in counts.items()) + "."
+    split = [
+        f"seed {seed}: " + ", ".join(f"{arm} on {w}" for arm, w in sorted(arms.items()))
+        for seed, arms in sorted(where.items())
+        if len(set(arms.values())) > 1
+    ]
+    if exp.same_machine:
+        rule = (
+            "the first stage's seeds may span machines (`pilot.first_stage_any_machine`: its pick and gate "
+            "read arm by arm, each run's gain against its own machine's step-0 score), the variance seeds "
+            "may not (their pairs set the power)"
+            if exp.pilot.get("first_stage_any_machine")
+            else "every seed's runs on one kind of machine"
+        )
+        text += f" Machine rule: {rule}."
+    if split:
+        text += (
+            " Seeds whose runs span machines (a power pair on one of them carries a between-machine "
+            "difference too): " + "; ".join(split) + "."
+        )
+    return text
+
+
 def pilot_page(
     exp: Experiment,
     runs: list[Any],
@@ -407,7 +452,9 @@ def pilot_page(
     ]
     reg = registration(records) if records is not None else None
     if reg is not None:
-        parts.insert(2, protocol_text(exp, {"registration": reg, "protocols": {}}).replace(" Runs: .", ""))
+        text = protocol_text(exp, {"registration": reg, "protocols": {}}).replace(" Runs: .", "")
+        where = machines_text(exp, [*runs, *(stage2 or [])], records)
+        parts.insert(2, text + (" " + where if where else ""))
     gate = exp.pilot.get("gate")
     if gate is not None:
         parts.append(

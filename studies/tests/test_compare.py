@@ -673,3 +673,73 @@ def test_machine_splits_name_each_seed_whose_arms_trained_apart() -> None:
     assert machine_splits(result) == ["seed 1: otb-N4 on cpu X, grpo-N4 on gpu Y"]
     result["runs"]["grpo-N4"][1]["where"] = "cpu X"
     assert machine_splits(result) == []
+
+
+def test_the_pilots_first_stage_may_span_machines_only_where_the_protocol_says(tmp_path, monkeypatch) -> None:
+    """`pilot.first_stage_any_machine` (smollm2c's amendment 3) lifts `same_machine` for the first stage
+    alone: its pick and gate read arm by arm, while the variance stage's pairs set the power and keep one
+    kind of machine a seed. Without the key both stages keep the experiment's rule."""
+    import studies.compare as compare_mod
+
+    seen: list[tuple[str, bool]] = []
+    monkeypatch.setattr(
+        compare_mod,
+        "execute",
+        lambda label, *a, same_machine=False, **k: seen.append((label, same_machine)) or [],
+    )
+    monkeypatch.setattr(compare_mod, "picks_and_gate", lambda exp, runs, records: ({"a": 1e-4}, [], [], True))
+    yaml = (
+        "recipe: demo\nseeds: [0]\nsame_machine: true\narms: {a: {}}\n"
+        "pilot: {seed: 9, learning_rates: [1e-4], variance_seeds: [10]%s}\n"
+    )
+    spec = tmp_path / "anywhere.yaml"
+    spec.write_text(yaml % ", first_stage_any_machine: true")
+    pilot(str(spec), runs_dir=tmp_path / "p", results=tmp_path / "r", log=lambda _: None)
+    assert seen == [("anywhere pilot", False), ("anywhere pilot variance", True)]
+    seen.clear()
+    spec = tmp_path / "strict.yaml"
+    spec.write_text(yaml % "")
+    pilot(str(spec), runs_dir=tmp_path / "p2", results=tmp_path / "r2", log=lambda _: None)
+    assert seen == [("strict pilot", True), ("strict pilot variance", True)]
+    spec.write_text(yaml % ", first_stage_any_machine: sometimes")
+    with pytest.raises(ValueError, match="first_stage_any_machine must be true or false"):
+        load_experiment(str(spec))
+
+
+def test_the_pilot_page_says_where_its_runs_trained_and_which_seeds_span_machines(tmp_path) -> None:
+    """Records of one kind of machine get one label even when the early ones do not name the CPU; a seed
+    whose runs trained on two kinds is named, arm by arm; with no machine in any record, nothing is said."""
+    from studies.pilot import machines_text
+    from studies.runs import record_path, write_record
+
+    exp = Experiment(
+        name="t",
+        recipe="demo",
+        arms={"a": {}, "b": {}},
+        seeds=[0],
+        smooth=1,
+        same_machine=True,
+        pilot={"seed": 9, "seeds": [9, 10], "learning_rates": [1e-4], "first_stage_any_machine": True},
+    )
+    xeon = {
+        "device": "cpu",
+        "cpus": 2,
+        "cpu_bf16": ["avx512_bf16"],
+        "machine": "x86_64",
+        "torch": "2.13.0+cpu",
+    }
+    amd = {**xeon, "cpu_bf16": [], "cpu_name": "AMD EPYC"}
+    records = tmp_path / "records"
+    runs = [Run(f"{arm}@0.0001", seed, tmp_path / arm / str(seed), {}) for arm in "ab" for seed in (9, 10)]
+    where = {("a", 9): xeon, ("a", 10): {**xeon, "cpu_name": "Xeon"}, ("b", 9): xeon, ("b", 10): amd}
+    for r in runs:
+        write_record(
+            record_path(records, r.arm, r.seed), {"overrides": {}, "environment": where[r.arm[0], r.seed]}
+        )
+    text = machines_text(exp, runs, records)
+    assert "3 runs on cpu (Xeon), 2 CPUs" in text and "1 runs on cpu (AMD EPYC)" in text
+    assert "seed 10: a@0.0001 on cpu (Xeon), 2 CPUs, torch 2.13.0+cpu, b@0.0001 on cpu (AMD EPYC)" in text
+    assert "seed 9" not in text and "first stage's seeds may span machines" in text
+    for r in runs:
+        write_record(record_path(records, r.arm, r.seed), {"overrides": {}, "environment": None})
+    assert machines_text(exp, runs, records) == ""
