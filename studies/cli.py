@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from otbrl.app.cli import CliError, int_list
 from studies import variance, variance_a_cli
-from studies.claims import STUDIES, proxy_claim, sync_readme, variance_claim, write_claims
-from studies.compare import compare, experiment_names, pilot
+from studies.claims import BEGIN, STUDIES, proxy_claim, sync_readme, variance_claim, write_claims
+from studies.compare import RESULTS, compare, experiment_names, pilot
+from studies.runs import commit_files
 from studies.step0 import ahead
 
 
@@ -45,6 +48,30 @@ def stop_time(text: str, now: float | None = None) -> float:
     return (at if at > current else at + datetime.timedelta(days=1)).timestamp()
 
 
+def commit_registration(results: Path) -> Callable[[Path], bool]:
+    """--commit: a protocol registered or amended is committed before any run under it starts, with
+    claims.md (it lists every amendment) and the README's copy of it rebuilt beside it, so no commit holds
+    a registration that its pages do not show."""
+
+    def commit(path: Path) -> bool:
+        reg = json.loads(path.read_text())
+        last = (reg["amendments"] or [reg])[-1]
+        files = [path]
+        if any((results / f"{name}.json").is_file() for name in STUDIES):
+            claims = write_claims(results)
+            files.append(claims)
+            readme = results.resolve().parent.parent / "README.md"  # docs/results -> the checkout's root
+            if readme.is_file() and BEGIN in readme.read_text():
+                sync_readme(readme, claims)
+                files.append(readme)
+        what = f"amendment {len(reg['amendments'])}" if reg["amendments"] else "protocol"
+        return commit_files(
+            files, f"{path.parent.name}: {what} registered ({last['hash']}) before its runs start"
+        )
+
+    return commit
+
+
 def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
     if rest:
         raise fail(f"compare: unexpected arguments {rest}")
@@ -57,6 +84,7 @@ def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
         amend=args.amend,
         stop_at=args.stop_at,
         commit=args.commit,
+        registered=commit_registration(args.results or RESULTS) if args.commit and not args.quick else None,
     )
     if args.pilot and args.seeds:
         raise fail("compare: --seeds chooses reported runs; the pilot runs all its seeds")

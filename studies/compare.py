@@ -5,6 +5,7 @@ events and a plot of what the arms bought."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +40,25 @@ __all__ = ["ProtocolChanged", "compare", "experiment_names", "pilot", "select"]
 RESULTS = Path("docs/results")
 
 
-def _stamp(exp: Experiment, records: Path, kind: str, amend: str | None, quick: bool) -> dict[str, Any]:
+def _stamp(
+    exp: Experiment,
+    records: Path,
+    kind: str,
+    amend: str | None,
+    quick: bool,
+    registered: Callable[[Path], Any] | None = None,
+) -> dict[str, Any]:
     """Register the protocol (at the first run) or check it against the registered one; the stamp every
-    run of this invocation records."""
+    run of this invocation records. `registered(path)` is called when protocol.json was written anew (a
+    first registration or an amendment), before any run under it starts."""
     proto = protocol(exp.raw, kind)
     if quick:  # a smoke run: its own protocol, never compared with the real one
         proto = {**proto, "quick": {"forced": exp.forced, "seeds": exp.seeds, "arms": list(exp.arms)}}
+    path = records / "protocol.json"
+    before = path.read_bytes() if path.is_file() else None
     register(records, proto, exp.source, amend)
+    if registered is not None and path.read_bytes() != before:
+        registered(path)
     return {"hash": protocol_hash(proto), "kind": kind}
 
 
@@ -112,12 +125,14 @@ def compare(
     arms: list[str] | None = None,
     stop_at: float | None = None,
     commit: bool = False,
+    registered: Callable[[Path], Any] | None = None,
 ) -> tuple[Path, list[str]]:
     """Plan, run (resuming from committed records; `train=False`: nothing, the page from the committed
     records alone), analyse and report one experiment. Returns (results
     page, failures). Quick runs go to runs/compare-quick/ and leave docs/results alone unless `results`
     says otherwise. The protocol is registered at the first run and checked at every later invocation
-    (`amend`: the reason for a change, recorded); with a pilot gate, no reported run starts until the
+    (`amend`: the reason for a change, recorded; `registered`: told of a registration written anew, see
+    `_stamp`); with a pilot gate, no reported run starts until the
     pilot's committed runs pass it and the YAML holds its picks (and its power calculation). `seeds` and
     `arms` train only that share of the runs (`select`); the page reads every run that has a record."""
     exp = load_experiment(spec, quick)
@@ -137,7 +152,7 @@ def compare(
     start = time.perf_counter()
     failures: list[str] = []
     if train:
-        stamp = _stamp(exp, records, "main", amend, quick)
+        stamp = _stamp(exp, records, "main", amend, quick, registered)
         log(
             f"{exp.name}: {len(runs)} runs ({len(exp.arms)} arms, seeds {exp.seeds}) in {runs_dir}; records "
             f"in {records}; protocol {stamp['hash']}"
@@ -176,6 +191,7 @@ def pilot(
     arms: list[str] | None = None,
     stop_at: float | None = None,
     commit: bool = False,
+    registered: Callable[[Path], Any] | None = None,
 ) -> tuple[Path, dict[str, float]]:
     """Run the experiment's pilot (`train=False`: nothing; its page from the committed records alone):
     every arm at each pilot learning rate on the pilot seed, each arm's pick by `pilot_score` and the
@@ -198,7 +214,7 @@ def pilot(
     stamp: dict[str, Any] = {}
     failures: list[str] = []
     if train:
-        stamp = _stamp(exp, records, "pilot", amend, quick=False)
+        stamp = _stamp(exp, records, "pilot", amend, False, registered)
         log(
             f"{exp.name} pilot: {len(share)} of {len(runs)} runs ({pilot_seeds_text(exp)}; arms "
             f"{arms or 'all'}) in {runs_dir}; protocol {stamp['hash']}"

@@ -964,3 +964,60 @@ def test_the_power_floor_holds_back_reported_runs_the_pilots_calculation_would_a
         "16 seeds a compared arm, planned for 80% power to say held at a true difference of +0.05 (the "
         f"pilot's variance called for {need}; the protocol's floor is 16)"
     )
+
+
+def test_under_commit_a_registration_is_committed_with_the_claims_page_that_lists_it(
+    tmp_path, monkeypatch
+) -> None:
+    """--commit: a protocol registered or amended is committed at once, before its runs, together with
+    claims.md and the README's copy rebuilt to list the amendment (a registration committed without them
+    left claims.md behind the records: test_pages_regenerate failed in CI); an unchanged protocol commits
+    nothing."""
+    import shutil
+
+    from studies import compare as compare_module
+    from studies.claims import BEGIN, END, sync_readme
+    from studies.cli import commit_registration
+
+    repo = tmp_path / "main"
+    results = repo / "docs" / "results"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "docs" / "results", results)
+    (repo / "README.md").write_text(f"# x\n\n{BEGIN}\nold\n{END}\n")
+    sync_readme(repo / "README.md", results / "claims.md")  # as committed: in step with claims.md
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@t")
+    _git(repo, "config", "user.name", "t")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "start")
+    records = results / "runs" / "walk-pilot"
+    proto = {"budget": 1}
+    monkeypatch.setattr(compare_module, "protocol", lambda raw, kind: dict(proto))
+    exp = load_experiment("walk")
+    hook = commit_registration(results)
+
+    def head() -> tuple[str, list[str]]:
+        subject = _git(repo, "log", "-1", "--format=%s").strip()
+        return subject, _git(repo, "show", "--format=", "--name-only", "HEAD").split()
+
+    compare_module._stamp(exp, records, "pilot", None, False, hook)
+    subject, files = head()
+    assert subject.startswith("walk-pilot: protocol registered (") and files == [
+        "docs/results/runs/walk-pilot/protocol.json"
+    ]  # a first registration lists no change: claims.md and README come out as committed
+    count = len(_git(repo, "log", "--format=%h").split())
+    compare_module._stamp(exp, records, "pilot", None, False, hook)
+    assert len(_git(repo, "log", "--format=%h").split()) == count  # unchanged: no commit
+
+    proto["budget"] = 2
+    compare_module._stamp(exp, records, "pilot", "a reason no one else wrote", False, hook)
+    subject, files = head()
+    assert subject.startswith("walk-pilot: amendment 1 registered (")
+    assert sorted(files) == [
+        "README.md",
+        "docs/results/claims.md",
+        "docs/results/runs/walk-pilot/protocol.json",
+    ]
+    for name in ("README.md", "docs/results/claims.md"):
+        assert "`walk-pilot`: amended at" in _git(repo, "show", f"HEAD:{name}")
+        assert "a reason no one else wrote" in _git(repo, "show", f"HEAD:{name}")
+    assert _git(repo, "status", "--porcelain") == ""
