@@ -344,10 +344,11 @@ def seed_step0_cache(cache: Path, records: Path | None, env: dict[str, Any]) -> 
     return added
 
 
-def keep_step0_scores(cache: Path, records: Path, env: dict[str, Any]) -> None:
+def keep_step0_scores(cache: Path, records: Path, env: dict[str, Any]) -> bool:
     """Add the step-0 scores in the runs' cache folder (this checkout's, under runs/, computed here) to
     this kind of machine's file beside `records` (`step0_file`), for later checkouts of the experiment
-    (`seed_step0_cache`). The file is replaced whole (a kill leaves the old one)."""
+    (`seed_step0_cache`). The file is replaced whole (a kill leaves the old one). Returns whether it
+    changed."""
     path = step0_file(records, env)
     known = _read_scores(path) or {"machine": {k: env.get(k) for k in (*MACHINE_KEYS, "cpu_capability")}}
     scores = dict(known.get("scores", {}))
@@ -361,6 +362,34 @@ def keep_step0_scores(cache: Path, records: Path, env: dict[str, Any]) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**known, "scores": scores}, indent=1, sort_keys=True) + "\n")
         tmp.replace(path)
+        return True
+    return False
+
+
+STEP0_WATCH_SECONDS = 60.0  # how often a runner looks for step-0 scores its runs have just computed
+
+
+def watch_step0_scores(
+    cache: Path,
+    records: Path,
+    env: dict[str, Any],
+    lock: threading.Lock,
+    stop: threading.Event,
+    commit_as: str | None = None,
+    log: Callable[[str], Any] = print,
+) -> None:
+    """Until `stop` is set, and once more then: keep the step-0 scores that runs in flight have written
+    to `cache` beside `records` (`keep_step0_scores`) and, with `commit_as` (a commit message), commit them
+    at once. A seed's step-0 evaluation is a third of its first run (smollm2c: 28 CPU minutes); kept only
+    when the run ends, it was lost with a run cut off mid-training, and the next checkout computed it
+    again."""
+    while True:
+        stopping = stop.wait(STEP0_WATCH_SECONDS)
+        with lock:
+            if keep_step0_scores(cache, records, env) and commit_as:
+                commit_files([step0_file(records, env)], f"{commit_as} ({now()})", log)
+        if stopping:
+            return
 
 
 def seed_elsewhere(run: Run, records: Path | None, here: dict[str, Any]) -> str:
@@ -766,9 +795,24 @@ def execute(
                 with lock:
                     in_flight[run.seed] -= 1
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for worker_done in [pool.submit(worker) for _ in range(max(1, jobs))]:
-            worker_done.result()
+    stop_watching = threading.Event()
+    watcher = None
+    if records is not None and shared is not None and env is not None:  # a step-0 score outlives its run
+        message = f"{name}: step-0 scores of runs in flight" if commit else None
+        watcher = threading.Thread(
+            target=watch_step0_scores,
+            args=(shared, records, env, lock, stop_watching, message, log),
+            daemon=True,
+        )
+        watcher.start()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            for worker_done in [pool.submit(worker) for _ in range(max(1, jobs))]:
+                worker_done.result()
+    finally:
+        stop_watching.set()
+        if watcher is not None:
+            watcher.join()
     if bar is not None:
         bar.close()
     if late:

@@ -761,6 +761,42 @@ def test_with_commit_each_record_is_committed_alone_as_it_lands(tmp_path, monkey
     assert "other.txt" not in committed and "A  other.txt" in _git(repo, "status", "--porcelain")
 
 
+def test_a_step0_score_is_committed_while_its_run_trains_and_survives_the_run_failing(
+    tmp_path, monkeypatch
+) -> None:
+    """--commit: a seed's step-0 score is committed as soon as its run has written it, not when the run
+    ends: the run here fails after its step-0 evaluation (as a run cut off mid-training does) and its
+    score is in the checkout all the same; a new checkout of the same kind of machine reuses it."""
+    repo = tmp_path / "main"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@t")
+    _git(repo, "config", "user.name", "t")
+    records = repo / "docs" / "results" / "runs" / "walk"
+    chosen = [r for r in plan(load_experiment("walk"), tmp_path / "runs") if r.seed == 0][:1]
+    here = {"device": "cpu", "cpus": 2, "cpu_bf16": [], "machine": "x86_64", "torch": "9.8"}
+    monkeypatch.setattr(runs, "environment", lambda: here)
+    monkeypatch.setattr(runs, "STEP0_WATCH_SECONDS", 0.05)
+    seen_mid_run: list[bool] = []
+
+    def train(recipe, run, heldout_cache=None, env=None, resume=False):
+        heldout_cache.mkdir(parents=True, exist_ok=True)
+        (heldout_cache / "k0.json").write_text(json.dumps({"score": 0.125}))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "step-0" not in _git(repo, "log", "--format=%s", "--all"):
+            time.sleep(0.05)
+        seen_mid_run.append("step-0 scores of runs in flight" in _git(repo, "log", "--format=%s", "--all"))
+        return 1, f"{run.arm} seed {run.seed}: exit 1: cut off"
+
+    monkeypatch.setattr(runs, "_train", train)
+    failed = runs.execute("walk", "walk", chosen, jobs=1, log=lambda _: None, records=records, commit=True)
+    assert seen_mid_run == [True] and failed == [f"{chosen[0].arm} seed 0: exit 1: cut off"]
+    committed = set(_git(repo, "ls-tree", "-r", "--name-only", "HEAD").split())
+    assert committed == {str(runs.step0_file(records, here).relative_to(repo))}  # no record: the run failed
+    assert runs.seed_step0_cache(tmp_path / "fresh", records, here) == 1
+    assert json.loads((tmp_path / "fresh" / "k0.json").read_text()) == {"score": 0.125}
+
+
 def test_the_real_environment_names_the_device_and_versions() -> None:
     env = runs.environment()
     assert env["device"] and env["torch"] and env["cpus"] >= 1
