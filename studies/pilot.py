@@ -30,6 +30,7 @@ from studies.runs import (
     machine_kind,
     record_path,
     registration,
+    wall_seconds,
 )
 
 
@@ -359,7 +360,7 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
         floor = int((exp.power or {}).get("min_seeds", 0))
         have = (exp.power or {}).get("seeds")
         if any(n is None for n in need) or not need:
-            problems.append("the pilot's variance seeds are not all run, or call for more than 200 seeds")
+            problems.append("the pilot's variance seeds are not all run (no power calculation yet)")
         elif have is None or int(have) < max(*need, floor):
             problems.append(
                 f"power: the pilot's variance calls for {max(need)} seeds per compared arm"
@@ -410,6 +411,39 @@ def machines_text(exp: Experiment, runs: list[Run], records: Path | None) -> str
             "difference too): " + "; ".join(split) + "."
         )
     return text
+
+
+def main_stage_cost(
+    exp: Experiment, plans: list[dict[str, Any]], runs: list[Run], records: Path | None
+) -> str:
+    """What the reported runs the power calculation calls for would cost, so that a plan out of reach is
+    seen before its runs start: the seeds (the largest need, at least the protocol's floor) times the
+    compared arms, at the median wall time of a recorded pilot run on each kind of machine ("" until
+    every comparison has its number of seeds)."""
+    need = [p["seeds"] for p in plans]
+    if not need or any(n is None for n in need):
+        return ""
+    seeds = max(*need, int((exp.power or {}).get("min_seeds", 0)))
+    arms = {a for c in exp.comparisons for a in (c["candidate"], c["baseline"])}
+    count = seeds * len(arms)
+    walls: dict[tuple | None, list[float]] = {}
+    names: dict[tuple | None, str] = {}
+    for r in runs:
+        if not has_record(r, records):
+            continue
+        rec = read_record(record_path(records, r.arm, r.seed))
+        env, wall = rec.get("environment"), wall_seconds(rec)
+        if math.isfinite(wall):
+            walls.setdefault(machine_kind(env), []).append(wall)
+            if env and (env.get("cpu_name") or machine_kind(env) not in names):
+                names[machine_kind(env)] = environment_label(env)
+    text = f"The reported runs at these numbers: {seeds} seeds x {len(arms)} compared arms = {count} runs"
+    costs = [
+        f"about {count * statistics.median(w) / 3600:,.0f} run-hours on {names.get(kind, 'not recorded')} "
+        f"(the median of its {len(w)} recorded pilot runs: {statistics.median(w) / 60:.0f} min a run)"
+        for kind, w in sorted(walls.items(), key=lambda kv: -len(kv[1]))
+    ]
+    return text + (": " + "; ".join(costs) if costs else "") + "."
 
 
 def pilot_page(
@@ -490,14 +524,14 @@ def pilot_page(
                 _fmt(p["sd_planned"]),
                 f"{p['floor']:+g}",
                 f"{p['delta']:+g}",
-                p["seeds"] if p["seeds"] is not None else "> 200",
+                p["seeds"] if p["seeds"] is not None else "—" if math.isnan(p["sd_planned"]) else "> 100,000",
             ]
             for p in plans
         ]
         target = plans[0]["target"] if plans else 0.8
         parts.append(
-            f"Power (the pilot seed and variance seeds {exp.pilot['variance_seeds']}, each arm at its pick): "
-            "paired differences "
+            f"Power ({pilot_seeds_text(exp)} and variance seeds {exp.pilot['variance_seeds']}, each arm at "
+            "its pick): paired differences "
             "of held-out reward at each comparison's primary budget; the plan's SD is the upper 80% "
             "confidence limit of their SD; seeds: the fewest for which the verdict rule says held with "
             f"probability ≥ {target:g} when the true difference is δ ({exp.confidence:.0%} t interval above "
@@ -521,6 +555,9 @@ def pilot_page(
                 aligned=False,
             )
         )
+        cost = main_stage_cost(exp, plans, [*runs, *stage2], records)
+        if cost:
+            parts.append(cost)
     if records is not None and (records / "superseded").is_dir():
         parts.append(superseded_text(records / "superseded"))
     curves, gates = pilot_curves(exp, first, records, picks)  # the first pilot seed: one line per rate

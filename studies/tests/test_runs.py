@@ -225,6 +225,15 @@ def test_power_against_a_simulation(n, sd, floor, delta) -> None:
 def test_seeds_needed_is_the_fewest_with_enough_power() -> None:
     n = power.seeds_needed(0.04, -0.03)
     assert power.power(n, 0.04, -0.03) >= 0.8 > power.power(n - 1, 0.04, -0.03)
+    # the search by bisection finds what a scan from 2 up finds, and past the old 200-seed cap too
+    for sd, floor, delta in [(0.04, -0.03, 0.0), (0.05, 0.0, 0.06), (0.116, -0.03, 0.0), (0.3, 0.0, 0.05)]:
+        n = power.seeds_needed(sd, floor, delta)
+        scan = next(m for m in range(2, 5000) if power.power(m, sd, floor, delta) >= 0.8)
+        assert n == scan
+    assert power.seeds_needed(0.3, 0.0, 0.05) > 200
+    assert power.seeds_needed(0.3, 0.0, 0.05, most=100) is None  # not within `most`
+    assert power.seeds_needed(0.1, 0.0, 0.0) is None  # no true difference: no number of seeds is enough
+    assert power.seeds_needed(0.0, 0.0, 0.05) == 2  # no noise at all
     # the issue's numbers: SD 0.116 between seeds cannot resolve a 0.03 margin with 5 seeds
     assert power.power(5, 0.116, -0.03) < 0.1 and power.seeds_needed(0.116, -0.03) > 100
     # the plan's SD is an upper confidence limit: above the sample SD, more so with fewer differences
@@ -999,6 +1008,73 @@ def test_the_power_floor_holds_back_reported_runs_the_pilots_calculation_would_a
     assert power_text(exp) == (
         "16 seeds a compared arm, planned for 80% power to say held at a true difference of +0.05 (the "
         f"pilot's variance called for {need}; the protocol's floor is 16)"
+    )
+
+
+def test_the_pilot_page_states_the_seeds_and_what_the_reported_runs_would_cost_where_its_runs_trained(
+    tmp_path,
+) -> None:
+    """A practitioner reads, before any reported run, how many seeds the pilot's variance calls for, even
+    past the old 200-seed cap, and what those runs cost on each kind of machine the pilot trained on."""
+    from studies.experiment import pilot_plan, variance_plan
+    from studies.pilot import pilot_page
+    from studies.runs import comparable
+
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "recipe: walk\n"
+        "pilot: {seed: 100, seeds: [100], learning_rates: [1.0e-4], pick: heldout,\n"
+        "        variance_seeds: [101, 102], gate: {heldout_gain: 0.05}, power: {effect: 0.05}}\n"
+        "arms: {a: {learning_rate: 1.0e-4}, b: {learning_rate: 1.0e-4}}\n"
+        "comparisons: [{name: c, kind: better, candidate: a, baseline: b, budgets: [600], primary: 600}]\n"
+        "seeds: []\npower: {min_seeds: 16}\n"
+    )
+    exp = load_experiment(str(path))
+    records = tmp_path / "results" / "runs" / "p-pilot"
+    first = pilot_plan(exp, tmp_path / "runs")
+    second = variance_plan(exp, tmp_path / "runs", {"a": 1e-4, "b": 1e-4})
+    cpu = {"device": "cpu", "cpu_name": "CPU-A", "cpus": 2, "torch": "2.13.0", "machine": "x86_64"}
+    gpu = {"device": "cuda (H200)", "cpus": 16, "torch": "2.11.0", "machine": "x86_64"}
+    diffs = {100: 0.30, 101: -0.20, 102: 0.10}  # an SD of 0.25 over three seeds
+    where = {  # (arm, seed): machine and wall seconds; per machine the median is 3,600 s and 400 s
+        ("a", 100): (cpu, 3000),
+        ("b", 100): (cpu, 3600),
+        ("a", 101): (cpu, 3600),
+        ("b", 101): (cpu, 4200),
+        ("a", 102): (gpu, 300),
+        ("b", 102): (gpu, 500),
+    }
+    start = datetime.datetime(2026, 11, 29, tzinfo=datetime.UTC)
+    for run in first + second:
+        arm = run.arm.rpartition("@")[0]
+        end = 0.5 + (diffs[run.seed] if arm == "a" else 0.0)
+        env, wall = where[(arm, run.seed)]
+        write_record(
+            record_path(records, run.arm, run.seed),
+            {
+                "overrides": comparable(run.overrides),
+                "metrics": _rows([0.3] * 12, heldout={600: end}),
+                "summary": {"held-out reward before": 0.3, "held-out reward after": end},
+                "environment": env,
+                "started": start.isoformat(),
+                "finished": (start + datetime.timedelta(seconds=wall)).isoformat(),
+            },
+        )
+    text = pilot_page(
+        exp, first, tmp_path / "results", "cmd", log=lambda _: None, records=records, stage2=second
+    )[0].read_text()
+    assert "Power (pilot seed 100 and variance seeds [101, 102]" in text
+    row = next(line for line in text.splitlines() if line.startswith("| c | better |"))
+    need = int(row.rstrip(" |").rpartition("|")[2])
+    planned = power.sd_upper(list(diffs.values()))
+    assert need > 200 and power.power(need, planned, 0.0, 0.05) >= 0.8 > power.power(
+        need - 1, planned, 0.0, 0.05
+    )
+    assert (
+        f"The reported runs at these numbers: {need} seeds x 2 compared arms = {2 * need} runs: about "
+        f"{2 * need:,} run-hours on cpu (CPU-A), 2 CPUs, torch 2.13.0 (the median of its 4 recorded pilot "
+        f"runs: 60 min a run); about {2 * need * 400 / 3600:,.0f} run-hours on cuda (H200), 16 CPUs, torch "
+        "2.11.0 (the median of its 2 recorded pilot runs: 7 min a run)." in text
     )
 
 
