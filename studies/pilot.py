@@ -436,12 +436,17 @@ def main_stage_cost(
         if math.isfinite(wall):
             walls.setdefault(machine_kind(env), []).append(wall)
             if env and (env.get("cpu_name") or machine_kind(env) not in names):
-                names[machine_kind(env)] = environment_label(env)
-    text = f"The reported runs at these numbers: {seeds} seeds x {len(arms)} compared arms = {count} runs"
+                names[machine_kind(env)] = environment_label(env)  # the label that names the CPU wins
+    text = f"The reported runs at these numbers: {seeds} seeds x {len(arms)} compared arms = {count:,} runs"
+
+    def few(x: float) -> str:  # a tenth where it matters: 0.7 min, 3.2 run-hours; 41 or 1,230 above ten
+        return f"{x:,.1f}" if x < 10 else f"{x:,.0f}"
+
     costs = [
-        f"about {count * statistics.median(w) / 3600:,.0f} run-hours on {names.get(kind, 'not recorded')} "
-        f"(the median of its {len(w)} recorded pilot runs: {statistics.median(w) / 60:.0f} min a run)"
+        f"about {few(count * median / 3600)} run-hours on {names.get(kind) or 'unnamed machines'}"
+        f" (the median of its {len(w)} recorded pilot runs: {few(median / 60)} min a run)"
         for kind, w in sorted(walls.items(), key=lambda kv: -len(kv[1]))
+        for median in [statistics.median(w)]
     ]
     return text + (": " + "; ".join(costs) if costs else "") + "."
 

@@ -1071,10 +1071,10 @@ def test_the_pilot_page_states_the_seeds_and_what_the_reported_runs_would_cost_w
         need - 1, planned, 0.0, 0.05
     )
     assert (
-        f"The reported runs at these numbers: {need} seeds x 2 compared arms = {2 * need} runs: about "
+        f"The reported runs at these numbers: {need} seeds x 2 compared arms = {2 * need:,} runs: about "
         f"{2 * need:,} run-hours on cpu (CPU-A), 2 CPUs, torch 2.13.0 (the median of its 4 recorded pilot "
         f"runs: 60 min a run); about {2 * need * 400 / 3600:,.0f} run-hours on cuda (H200), 16 CPUs, torch "
-        "2.11.0 (the median of its 2 recorded pilot runs: 7 min a run)." in text
+        "2.11.0 (the median of its 2 recorded pilot runs: 6.7 min a run)." in text
     )
 
 
