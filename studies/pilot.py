@@ -360,7 +360,7 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
         floor = int((exp.power or {}).get("min_seeds", 0))
         have = (exp.power or {}).get("seeds")
         if any(n is None for n in need) or not need:
-            problems.append("the pilot's variance seeds are not all run (no power calculation yet)")
+            problems.append("the pilot's variance seeds are not all run, or call for more than 100,000 seeds")
         elif have is None or int(have) < max(*need, floor):
             problems.append(
                 f"power: the pilot's variance calls for {max(need)} seeds per compared arm"
