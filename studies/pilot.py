@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -370,6 +371,17 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
     return problems
 
 
+def kind_labels(envs: Iterable[dict[str, Any] | None]) -> dict[tuple | None, str]:
+    """One label a kind of machine (`machine_kind`), for every kind among `envs`: a label that names the
+    CPU wins, because early records of a kind may not name the CPU that later ones name."""
+    labels: dict[tuple | None, str] = {}
+    for env in envs:
+        kind = machine_kind(env)
+        if kind not in labels or (env and env.get("cpu_name")):
+            labels[kind] = environment_label(env)
+    return labels
+
+
 def machines_text(exp: Experiment, runs: list[Run], records: Path | None) -> str:
     """Where the pilot's recorded runs trained, and the seeds whose runs span machines (with
     `first_stage_any_machine`, the first stage's may: each gain is against its own machine's step-0 score,
@@ -379,11 +391,10 @@ def machines_text(exp: Experiment, runs: list[Run], records: Path | None) -> str
         for r in runs
         if has_record(r, records)
     }
-    # one label a kind of machine: early records of a kind may not name the CPU that later ones name
-    names = {machine_kind(e): environment_label(e) for e in envs.values() if e and e.get("cpu_name")}
+    names = kind_labels(envs.values())
     where: dict[int, dict[str, str]] = {}
     for (seed, arm), env in envs.items():
-        where.setdefault(seed, {})[arm] = names.get(machine_kind(env), environment_label(env))
+        where.setdefault(seed, {})[arm] = names[machine_kind(env)]
     counts: dict[str, int] = {}
     for arms in where.values():
         for w in arms.values():
@@ -427,7 +438,7 @@ def main_stage_cost(
     arms = {a for c in exp.comparisons for a in (c["candidate"], c["baseline"])}
     count = seeds * len(arms)
     walls: dict[tuple | None, list[float]] = {}
-    names: dict[tuple | None, str] = {}
+    envs = []
     for r in runs:
         if not has_record(r, records):
             continue
@@ -435,15 +446,15 @@ def main_stage_cost(
         env, wall = rec.get("environment"), wall_seconds(rec)
         if math.isfinite(wall):
             walls.setdefault(machine_kind(env), []).append(wall)
-            if env and (env.get("cpu_name") or machine_kind(env) not in names):
-                names[machine_kind(env)] = environment_label(env)  # the label that names the CPU wins
+            envs.append(env)
+    names = kind_labels(envs)
     text = f"The reported runs at these numbers: {seeds} seeds x {len(arms)} compared arms = {count:,} runs"
 
     def few(x: float) -> str:  # a tenth where it matters: 0.7 min, 3.2 run-hours; 41 or 1,230 above ten
         return f"{x:,.1f}" if x < 10 else f"{x:,.0f}"
 
     costs = [
-        f"about {few(count * median / 3600)} run-hours on {names.get(kind) or 'unnamed machines'}"
+        f"about {few(count * median / 3600)} run-hours on {names[kind] if kind else 'unnamed machines'}"
         f" (the median of its {len(w)} recorded pilot runs: {few(median / 60)} min a run)"
         for kind, w in sorted(walls.items(), key=lambda kv: -len(kv[1]))
         for median in [statistics.median(w)]

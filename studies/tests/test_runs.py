@@ -1078,6 +1078,25 @@ def test_the_pilot_page_states_the_seeds_and_what_the_reported_runs_would_cost_w
     )
 
 
+
+def test_a_kind_of_machine_is_named_by_the_label_that_names_its_cpu_whatever_the_record_order() -> None:
+    """Early records of a kind may not name the CPU that later ones name: both pilot lines (where runs
+    trained, what the reported runs cost) name the kind by the CPU, in either order; an unrecorded
+    environment is its own kind."""
+    from studies.pilot import kind_labels
+    from studies.runs import machine_kind
+
+    early = {"device": "cpu", "cpus": 2, "torch": "2.13.0", "machine": "x86_64"}
+    later = {**early, "cpu_name": "CPU-A"}
+    other = {**early, "torch": "2.11.0"}
+    for envs in ([early, later, other, None], [later, early, None, other]):
+        labels = kind_labels(envs)
+        assert labels == {
+            machine_kind(later): "cpu (CPU-A), 2 CPUs, torch 2.13.0",
+            machine_kind(other): "cpu, 2 CPUs, torch 2.11.0",
+            None: "not recorded",
+        }
+
 def test_under_commit_a_registration_is_committed_with_the_claims_page_that_lists_it(
     tmp_path, monkeypatch
 ) -> None:
