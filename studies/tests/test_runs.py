@@ -1078,7 +1078,6 @@ def test_the_pilot_page_states_the_seeds_and_what_the_reported_runs_would_cost_w
     )
 
 
-
 def test_a_kind_of_machine_is_named_by_the_label_that_names_its_cpu_whatever_the_record_order() -> None:
     """Early records of a kind may not name the CPU that later ones name: both pilot lines (where runs
     trained, what the reported runs cost) name the kind by the CPU, in either order; an unrecorded
@@ -1096,6 +1095,7 @@ def test_a_kind_of_machine_is_named_by_the_label_that_names_its_cpu_whatever_the
             machine_kind(other): "cpu, 2 CPUs, torch 2.11.0",
             None: "not recorded",
         }
+
 
 def test_under_commit_a_registration_is_committed_with_the_claims_page_that_lists_it(
     tmp_path, monkeypatch
