@@ -336,13 +336,20 @@ def test_new_protocol_errors(tmp_path, extra, message) -> None:
 
 
 def test_packaged_gated_experiments_hold_enough_heldout_prompts() -> None:
+    """Issue 34: every reported run of a gated experiment scores at least 1,024 held-out samples (prompts x
+    samples a prompt), the step-0 score included; one posing distinct problems poses at least 250."""
     from studies.experiment import experiment_names
 
+    planned = 0
     for name in experiment_names():
         exp = load_experiment(name)
         if exp.pilot and "gate" in exp.pilot:
             for run in plan(exp, Path("x")):
-                assert run.overrides["eval_size"] >= 1024 and run.overrides.get("eval_before", True)
+                o = run.overrides
+                assert o["eval_size"] * o.get("eval_samples", 1) >= 1024 and o.get("eval_before", True)
+                assert not o.get("eval_distinct_problems") or o["eval_size"] >= 250
+                planned += 1
+    assert planned  # smollm2c's reported runs, at least, are planned
 
 
 def test_a_page_is_rebuilt_from_committed_records_alone(tmp_path, monkeypatch) -> None:
