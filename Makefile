@@ -5,7 +5,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
 TESTED  := $(TORCH) trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0 math-verify==0.9.0 \
-           peft==0.21.2 scipy==1.17.1 gguf==0.19.0
+           peft==0.21.2 scipy==1.17.1 gguf==0.19.0 pytest-xdist==3.8.0
 
 # The verl plugin is tested in its own venv: verl pins a transformers range that TRL's does not meet.
 # The constraints file keeps verl's dependencies from replacing the CPU torch installed first.
@@ -27,9 +27,10 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check otbrl studies tests benchmarks examples
 
 # tests/test_wheel.py builds the wheel and runs the installed commands from a temporary directory: the
-# editable install alone would hide package data missing from the wheel.
+# editable install alone would hide package data missing from the wheel. `-n auto`: one pytest worker a
+# core (pytest-xdist); every test is independent of the others and of the order they run in.
 test: $(STAMP) lint
-	$(PY) -m pytest tests studies/tests
+	$(PY) -m pytest -n auto tests studies/tests
 
 $(VSTAMP): pyproject.toml
 	test -x $(VPY) || python3 -m venv .venv-verl

@@ -198,7 +198,7 @@ def test_the_setup_is_two_commands_and_ci_runs_the_test_one():
     assert lines == [["make", "demo"], ["make", "test"]]
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^demo:.*\n\t.*otbrl demo$", makefile, flags=re.M)  # the embedded default run
-    assert re.search(r"^test:.*\n\t.*pytest tests studies/tests$", makefile, flags=re.M)  # package and suite
+    assert re.search(r"^test:.*\n\t.*pytest (-n auto )?tests studies/tests$", makefile, flags=re.M)  # all
     assert "make test\n" in (ROOT / ".ci" / "run").read_text()
     assert "`make demo-llm`" in text(README) and "demo-llm" in _make_targets()
 
