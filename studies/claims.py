@@ -30,6 +30,7 @@ from studies.compare_page import power_text
 from studies.experiment import arm_names, experiment_names, load_experiment, pilot_plan, pilot_seeds
 from studies.inference import (
     HELD,
+    IN_PROGRESS,
     INCONCLUSIVE,
     MATCHES_RULE,
     NOT_HELD,
@@ -163,8 +164,8 @@ def comparison_rows(res: dict[str, Any], experiment: str) -> list[Row]:
             decides = f"{decides}; {planned}"
         if missing:
             result, decides = NOT_TESTED, f"{decides}; not tested: {missing}"
-        if c.get("interim"):  # in the bold verdict, so the README's headline carries it too
-            result = f"{result}, {c['interim']}"
+        if c.get("interim"):  # no verdict before the planned seeds; said in bold, so the README carries it
+            result = f"{IN_PROGRESS}, {c['interim']}"
         rows.append(
             (
                 c.get("claim", c["name"]),
@@ -183,7 +184,7 @@ def comparison_pvalues(res: dict[str, Any], experiment: str) -> dict[tuple[str, 
     for c in res.get("comparisons", []):
         ends = c["heldout"]
         h = next((h for h in ends if h.get("primary")), ends[-1] if ends else None)
-        if h is None:
+        if h is None or c.get("interim"):  # in progress: not a test yet, so not in the family
             continue
         floor = 0.0 if c["kind"] == "better" else -abs(float(c.get("margin", 0.0)))
         key = (c.get("claim", c["name"]), f"`python -m studies compare {experiment}`")
@@ -205,7 +206,7 @@ def holm_section(rows: list[Row], pvalues: dict[tuple[str, str], float]) -> list
     tested = [
         (r, m.group(1))
         for r, m in zip(rows, raw, strict=True)
-        if m and not m.group(1).startswith((NOT_TESTED, "see the numbers"))
+        if m and not m.group(1).startswith((NOT_TESTED, IN_PROGRESS, "see the numbers"))
     ]
     ps = [pvalues.get((r[0], r[3]), math.nan) for r, _ in tested]
     rejected = holm(ps)
@@ -223,11 +224,11 @@ def holm_section(rows: list[Row], pvalues: dict[tuple[str, str], float]) -> list
             adjusted = verdict_now
         table.append([r[0], r[3], verdict_now, "—" if p != p else f"{p:.2g}", adjusted])
     return [
-        f"**Multiplicity.** {len(tested)} claims are tested on this page (rows that read not tested or see "
-        "the numbers are not). Holm's step-down procedure over all of them keeps the chance of any false "
-        "**held** at 5%: the p-value of each interval-based claim is the two-sided one that matches its "
-        "95% rule (for (a): the largest over N); a claim whose verdict rests on no single interval counts "
-        "in m and is not adjusted.",
+        f"**Multiplicity.** {len(tested)} claims are tested on this page (rows that read not tested, in "
+        "progress or see the numbers are not). Holm's step-down procedure over all of them keeps the chance "
+        "of any false **held** at 5%: the p-value of each interval-based claim is the two-sided one that "
+        "matches its 95% rule (for (a): the largest over N); a claim whose verdict rests on no single "
+        "interval counts in m and is not adjusted.",
         "",
         markdown_table(
             ["claim", "command", "raw verdict", "p", "Holm-adjusted (family-wise 5%)"], table, aligned=False
@@ -616,8 +617,8 @@ STUDIES = {  # results JSON -> the command that writes it
 }
 
 
-# an experiment -> the one that replaces it: once the successor has results, the old rows move to the
-# superseded list (the old page stays, and says why)
+# an experiment -> the one that replaces it: once the successor has run every planned seed (`complete`), the
+# old rows move to the superseded list (the old page stays, and says why)
 SUCCESSORS = {"walk": "walk3", "tir": "tir2", "smollm2": "smollm2c"}
 # designs that never reached their reported runs: their pilot pages say why
 STOPPED_AT_PILOT = {
@@ -766,11 +767,17 @@ def dropped_lines() -> list[str]:
     ]
 
 
+def complete(res: dict[str, Any] | None) -> bool:
+    """Whether an experiment's results have run every planned seed of every comparison: only then does it
+    supersede the experiment it replaces, whose finished rows stay until then."""
+    return res is not None and not any(c.get("interim") for c in res.get("comparisons", []))
+
+
 def write_claims(results: Path = Path("docs/results")) -> Path:
     loaded = {n: _load(results, n) for n in STUDIES}
     names = ("variance", "variance-walk", "walk", "walk3", "ladder", "tir", "tir2", "smollm2", "smollm2c")
     var, var_walk, walk, walk3, ladder, tir, tir2, smollm2, smollm2c = (loaded[n] for n in names)
-    superseded = [old for old, new in SUCCESSORS.items() if _load(results, new) is not None]
+    superseded = [old for old, new in SUCCESSORS.items() if complete(_load(results, new))]
     rows: list[Row] = []
     missing: list[str] = []
 

@@ -17,7 +17,7 @@ from studies.experiment import (
     pilot_seeds,
     piloted,
 )
-from studies.inference import NOT_TESTED, rule, verdict_text
+from studies.inference import IN_PROGRESS, NOT_TESTED, rule, verdict_text
 from studies.outcomes import (
     SURGE_HISTORY,
     SURGE_SMOOTH,
@@ -115,9 +115,11 @@ CONTROLS_NOTE = (
 def comparisons_table(result: dict[str, Any], exp: Experiment | None = None) -> str:
     """One row per paired endpoint of each comparison: the mean difference, its interval, the verdict.
     With `exp`, a comparison whose two arms' runs miss the protocol's phenomenon floor reads "not tested",
-    as on claims.md (`outcomes.phenomenon_missing`)."""
+    as on claims.md (`outcomes.phenomenon_missing`). Before every planned seed has run (`interim`), no
+    endpoint has a verdict: the intervals so far are shown, and the comparison reads "in progress"."""
     rows = []
     for c in result["comparisons"]:
+        said = (lambda v: "—") if c.get("interim") else (lambda v: v)
         for h in c["heldout"]:
             at = kilo(h["budget"]) + (
                 f" vs {kilo(h['baseline_budget'])}" if h["baseline_budget"] != h["budget"] else ""
@@ -128,7 +130,7 @@ def comparisons_table(result: dict[str, Any], exp: Experiment | None = None) -> 
                     c["name"],
                     f"held-out reward @{at}, {c['candidate']} − {c['baseline']}{role}",
                     str(h["interval"]),
-                    h["verdict"],
+                    said(h["verdict"]),
                 ]
             )
         for t in c["tokens"]:
@@ -137,7 +139,7 @@ def comparisons_table(result: dict[str, Any], exp: Experiment | None = None) -> 
                 f"reached in {t['reached'][0]} and {t['reached'][1]} seeds)"
                 + (" (secondary)" if "primary" in c else "")
             )
-            rows.append([c["name"], endpoint, t["interval"].text(thousands=True), t["verdict"]])
+            rows.append([c["name"], endpoint, t["interval"].text(thousands=True), said(t["verdict"])])
         if c.get("auc"):
             a = c["auc"]
             endpoint = (
@@ -145,13 +147,13 @@ def comparisons_table(result: dict[str, Any], exp: Experiment | None = None) -> 
                 + (f" vs {kilo(a['baseline_budget'])}" if a["baseline_budget"] != a["budget"] else "")
                 + f"), {c['candidate']} − {c['baseline']} (secondary)"
             )
-            rows.append([c["name"], endpoint, str(a["interval"]), a["verdict"]])
+            rows.append([c["name"], endpoint, str(a["interval"]), said(a["verdict"])])
         for k in c.get("controls", []):
             for h in k["heldout"]:
                 if h.get("primary") or "primary" not in c:
                     at = kilo(h["budget"]) + f" vs {kilo(h['baseline_budget'])}"
                     endpoint = f"same-N control: held-out reward @{at}, {k['arm']} − {c['baseline']}"
-                    rows.append([c["name"], endpoint, str(h["interval"]), h["verdict"]])
+                    rows.append([c["name"], endpoint, str(h["interval"]), said(h["verdict"])])
         kind = c["kind"] + (f", margin {c['margin']:g}" if c["kind"] == "matches" else "")
         if c.get("controls"):
             kind += "; held only if no same-N control passes"
@@ -159,9 +161,9 @@ def comparisons_table(result: dict[str, Any], exp: Experiment | None = None) -> 
         missing = phenomenon_missing(result, exp, (c["candidate"], c["baseline"]))[0] if exp else ""
         if missing:
             verdict = f"**{NOT_TESTED}**: {missing} (the intervals alone would read {verdict_text(c)})"
-        rows.append(
-            [c["name"], "**verdict**", kind, verdict + (f" ({c['interim']})" if c.get("interim") else "")]
-        )
+        if c.get("interim"):
+            verdict = f"**{IN_PROGRESS}** ({c['interim']}; the rule is read when every planned seed has run)"
+        rows.append([c["name"], "**verdict**", kind, verdict])
     return markdown_table(["comparison", "endpoint", "mean [95% CI] (seeds)", "verdict"], rows, aligned=False)
 
 

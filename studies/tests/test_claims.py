@@ -236,6 +236,32 @@ def test_the_real_model_verdict_is_read_first_and_supersedes_smollm2(tmp_path) -
     assert "smollm2c" not in text.split("Not run yet: ")[-1]
 
 
+def test_a_successor_in_progress_has_no_verdict_no_p_value_and_supersedes_nothing(tmp_path) -> None:
+    """Issue 34: smollm2c's 93 seeds take many sessions. Until every planned seed has run, its rows read
+    "in progress" (no verdict word, so the README's headline carries none), stay out of Holm's family, and
+    smollm2's finished rows stay; once it is complete it supersedes smollm2."""
+    res = _walk_result()
+    res["comparisons"] = res["comparisons"][:1]
+    for arm in res["arms"].values():  # the phenomenon over whole runs, which smollm2c's protocol reads
+        arm["length_cv_run"] = [0.5, 0.56]
+    (tmp_path / "smollm2.json").write_text(json.dumps(_registered(res)))
+    looking = {**res, "comparisons": [{**res["comparisons"][0], "interim": "interim: 2 of 93 planned seeds"}]}
+    (tmp_path / "smollm2c.json").write_text(json.dumps(_registered(looking)))
+    text = write_claims(tmp_path).read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| claim OTB vs GRPO") and "(rule:" in line]
+    assert len(rows) == 2 and rows[0].endswith("| `python -m studies compare smollm2c` |")
+    assert "| **in progress, interim: 2 of 93 planned seeds** (rule:" in rows[0]
+    assert rows[1].endswith("| `python -m studies compare smollm2` |")  # smollm2's finished row stays
+    assert "in progress" not in rows[1] and "| **inconclusive** (rule:" in rows[1]
+    assert "Superseded" not in text and "smollm2c" not in text.split("Not run yet: ")[-1]
+    holm = text.split("**Multiplicity.**")[1].split("**Protocol changes")[0]
+    assert "compare smollm2`" in holm and "compare smollm2c`" not in holm
+    (tmp_path / "smollm2c.json").write_text(json.dumps(_registered(res)))  # every planned seed has run
+    text = write_claims(tmp_path).read_text()
+    assert "Superseded: [smollm2.md](smollm2.md) by [smollm2c.md](smollm2c.md)." in text
+    assert "compare smollm2c`" in text.split("**Multiplicity.**")[1].split("**Protocol changes")[0]
+
+
 def test_censored_runs_are_read_both_ways_in_the_ladder_verdict() -> None:
     calm = [[None, None]] * 3
     falls = [[None, None], [12, 20], [8, 9]]

@@ -188,7 +188,12 @@ def test_a_verdict_before_every_planned_seed_has_run_says_it_is_interim() -> Non
             per_arm.setdefault(arm, []).append(analyse_rows(rows, {}, exp, seed))
     c = compare_arms(exp, spec, per_arm)
     assert c["verdict"] == "held" and c["interim"] == "interim: 3 of 4 planned seeds"
-    assert "| **held** (interim: 3 of 4 planned seeds) |" in comparisons_table({"comparisons": [c]})
+    # a look, not the result: no verdict word on the page before every planned seed has run (issue 34)
+    table = comparisons_table({"comparisons": [c]})
+    assert "| **in progress** (interim: 3 of 4 planned seeds; the rule is read when every planned" in table
+    assert "| held |" not in table and "**held**" not in table
+    assert "| — |" in table  # the endpoint's interval is shown, its verdict is not
+    assert "| held |" in comparisons_table({"comparisons": [{**c, "interim": ""}]})  # every seed: a verdict
 
 
 def test_a_run_that_ends_below_the_collapse_level_is_censored_not_counted(tmp_path) -> None:
