@@ -48,6 +48,19 @@ def stop_time(text: str, now: float | None = None) -> float:
     return (at if at > current else at + datetime.timedelta(days=1)).timestamp()
 
 
+def claims_files(results: Path) -> list[Path]:
+    """claims.md and the README's copy of it (the checkout's README.md, when it has the markers), rebuilt
+    from `results`; nothing while no study has results."""
+    if not any((results / f"{name}.json").is_file() for name in STUDIES):
+        return []
+    claims = write_claims(results)
+    readme = results.resolve().parent.parent / "README.md"  # docs/results -> the checkout's root
+    if not (readme.is_file() and BEGIN in readme.read_text()):
+        return [claims]
+    sync_readme(readme, claims)
+    return [claims, readme]
+
+
 def commit_registration(results: Path) -> Callable[[Path], bool]:
     """--commit: a protocol registered or amended is committed before any run under it starts, with
     claims.md (it lists every amendment) and the README's copy of it rebuilt beside it, so no commit holds
@@ -56,20 +69,38 @@ def commit_registration(results: Path) -> Callable[[Path], bool]:
     def commit(path: Path) -> bool:
         reg = json.loads(path.read_text())
         last = (reg["amendments"] or [reg])[-1]
-        files = [path]
-        if any((results / f"{name}.json").is_file() for name in STUDIES):
-            claims = write_claims(results)
-            files.append(claims)
-            readme = results.resolve().parent.parent / "README.md"  # docs/results -> the checkout's root
-            if readme.is_file() and BEGIN in readme.read_text():
-                sync_readme(readme, claims)
-                files.append(readme)
+        files = [path, *claims_files(results)]
         what = f"amendment {len(reg['amendments'])}" if reg["amendments"] else "protocol"
         return commit_files(
             files, f"{path.parent.name}: {what} registered ({last['hash']}) before its runs start"
         )
 
     return commit
+
+
+def rebuild_pages(experiment: str, results: Path, pilot_stage: bool) -> Callable[[], list[Path]]:
+    """--commit: after each record lands, the experiment's page (its pilot's, with `pilot_stage`),
+    claims.md and the README's copy, rebuilt from the records as `--no-run` would, for the record's commit:
+    a session cut off between a record and a rebuild by hand left pages that test_pages_regenerate refused.
+    A rebuild that fails is said and commits no page; the record is committed all the same."""
+
+    def quiet(_: str) -> None:
+        pass
+
+    def rebuild() -> list[Path]:
+        try:
+            if pilot_stage:
+                page = pilot(experiment, results=results, train=False, log=quiet)[0]
+                files = [page, page.with_suffix(".png")]
+            else:
+                page = compare(experiment, results=results, train=False, log=quiet)[0]
+                files = [page, page.with_suffix(".png"), page.with_suffix(".json")]
+            return files + claims_files(results)
+        except Exception as err:  # a page must not stop the runs: the record still lands
+            print(f"studies: {experiment}: pages not rebuilt after a record: {err}", file=sys.stderr)
+            return []
+
+    return rebuild
 
 
 def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
@@ -85,6 +116,9 @@ def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
         stop_at=args.stop_at,
         commit=args.commit,
         registered=commit_registration(args.results or RESULTS) if args.commit and not args.quick else None,
+        pages=rebuild_pages(args.experiment, args.results or RESULTS, args.pilot)
+        if args.commit and not args.quick
+        else None,
     )
     if args.pilot and args.seeds:
         raise fail("compare: --seeds chooses reported runs; the pilot runs all its seeds")

@@ -94,6 +94,7 @@ def _execute(
     stop_at: float | None = None,
     commit: bool = False,
     same_machine: bool | None = None,
+    pages: Callable[[], list[Path]] | None = None,
 ) -> list[str]:
     """`execute` with what every stage of an experiment shares: its recipe and machine rule (`same_machine`
     overrides the experiment's for one stage)."""
@@ -108,6 +109,7 @@ def _execute(
         same_machine=exp.same_machine if same_machine is None else same_machine,
         stop_at=stop_at,
         commit=commit,
+        pages=pages,
     )
 
 
@@ -126,13 +128,15 @@ def compare(
     stop_at: float | None = None,
     commit: bool = False,
     registered: Callable[[Path], Any] | None = None,
+    pages: Callable[[], list[Path]] | None = None,
 ) -> tuple[Path, list[str]]:
     """Plan, run (resuming from committed records; `train=False`: nothing, the page from the committed
     records alone), analyse and report one experiment. Returns (results
     page, failures). Quick runs go to runs/compare-quick/ and leave docs/results alone unless `results`
     says otherwise. The protocol is registered at the first run and checked at every later invocation
     (`amend`: the reason for a change, recorded; `registered`: told of a registration written anew, see
-    `_stamp`); with a pilot gate, no reported run starts until the
+    `_stamp`; `pages`: with `commit`, rebuilt after each record and committed with it, see `execute`); with a
+    pilot gate, no reported run starts until the
     pilot's committed runs pass it and the YAML holds its picks (and its power calculation). `seeds` and
     `arms` train only that share of the runs (`select`); the page reads every run that has a record."""
     exp = load_experiment(spec, quick)
@@ -162,7 +166,7 @@ def compare(
                 f"{exp.name}: this share is {len(share)} of the {len(runs)} runs (seeds {seeds or 'all'}, "
                 f"arms {arms or 'all'}); the page reads every run with a record"
             )
-        failures = _execute(exp, exp.name, share, jobs, log, records, stamp, stop_at, commit)
+        failures = _execute(exp, exp.name, share, jobs, log, records, stamp, stop_at, commit, None, pages)
     else:
         runs = [r for r in runs if has_record(r, records)]
         log(f"{exp.name}: {len(runs)} runs with committed records in {records} (none trained)")
@@ -192,6 +196,7 @@ def pilot(
     stop_at: float | None = None,
     commit: bool = False,
     registered: Callable[[Path], Any] | None = None,
+    pages: Callable[[], list[Path]] | None = None,
 ) -> tuple[Path, dict[str, float]]:
     """Run the experiment's pilot (`train=False`: nothing; its page from the committed records alone):
     every arm at each pilot learning rate on the pilot seed, each arm's pick by `pilot_score` and the
@@ -201,7 +206,8 @@ def pilot(
     the power calculation go into the experiment's YAML by hand, before its reported runs (which
     `compare` checks); the pilot's seeds are never reported ones. `arms` trains only those arms' runs
     of the first stage (the gap's arms first, say: if the gap fails, the others need not run); the page
-    reads every run with a record, and the second stage waits for the whole first."""
+    reads every run with a record, and the second stage waits for the whole first. `pages`: as in
+    `compare`."""
     exp = load_experiment(spec)
     runs_dir = runs_dir or Path("runs/compare") / exp.name / "pilot"
     results = results or RESULTS
@@ -233,6 +239,7 @@ def pilot(
             stop_at,
             commit,
             exp.same_machine and not anywhere,
+            pages,
         )
     if failures:
         raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))
@@ -249,7 +256,7 @@ def pilot(
             f"{exp.pilot['variance_seeds']}"
         )
         failures = _execute(
-            exp, f"{exp.name} pilot variance", stage2, jobs, log, records, stamp, stop_at, commit
+            exp, f"{exp.name} pilot variance", stage2, jobs, log, records, stamp, stop_at, commit, None, pages
         )
         if failures:
             raise RuntimeError(f"{exp.name} pilot: failed runs:\n" + "\n".join(failures))

@@ -660,6 +660,7 @@ def execute(
     same_machine: bool = False,
     stop_at: float | None = None,
     commit: bool = False,
+    pages: Callable[[], list[Path]] | None = None,
 ) -> list[str]:
     """Run what is not done yet of experiment `name` (base recipe `recipe`), `jobs` at a time. With
     `records` (a folder of committed run records), a run with a record is done, a finished run directory
@@ -670,8 +671,9 @@ def execute(
     of the experiment's recorded runs on this kind of machine (read again as each record lands), is not
     started (a machine taken away at a known time would lose it). `commit`: each record (with this
     machine's step-0 scores) is committed in the git checkout that holds `records` as soon as it is
-    written, alone (`commit_files`). Returns one line per failed, refused or unstarted run (nothing is
-    dropped silently)."""
+    written, alone (`commit_files`); with `pages` (rebuilds the pages that read the records, returns their
+    files), those pages in the same commit, so no commit holds a record that its pages do not show.
+    Returns one line per failed, refused or unstarted run (nothing is dropped silently)."""
 
     def keep(run: Run) -> None:
         if records is not None:
@@ -772,6 +774,7 @@ def execute(
                         expected = expected_seconds(records, env)
                     if commit:
                         where = [record_path(records, run.arm, run.seed), step0_file(records, env)]
+                        where += pages() if pages is not None else []
                         commit_files(where, f"{name}: record {run.arm} seed {run.seed} ({now()})", log)
         if bar is not None:
             bar.set_postfix_str(f"{run.arm} s{run.seed} {time.perf_counter() - start:.0f}s")

@@ -1164,3 +1164,53 @@ def test_under_commit_a_registration_is_committed_with_the_claims_page_that_list
         assert "`walk-pilot`: amended at" in _git(repo, "show", f"HEAD:{name}")
         assert "a reason no one else wrote" in _git(repo, "show", f"HEAD:{name}")
     assert _git(repo, "status", "--porcelain") == ""
+
+
+def test_with_commit_and_pages_each_record_is_committed_with_the_pages_that_read_it(
+    tmp_path, monkeypatch
+) -> None:
+    """--commit with `pages`: a record's commit carries the pages rebuilt with it, so a session cut off
+    after any commit leaves pages that show every committed record (test_pages_regenerate)."""
+    repo = tmp_path / "main"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@t")
+    _git(repo, "config", "user.name", "t")
+    records = repo / "docs" / "results" / "runs" / "walk"
+    page = repo / "docs" / "results" / "walk.md"
+    chosen = [r for r in plan(load_experiment("walk"), tmp_path / "runs") if r.seed in (0, 1)][:3]
+    monkeypatch.setattr(runs, "_train", _fake_train([]))
+
+    def pages() -> list[Path]:  # a page that says how many records it read
+        page.write_text(f"{len(list(records.glob('*/seed*.json.gz')))} records\n")
+        return [page]
+
+    failed = runs.execute(
+        "walk", "walk", chosen, jobs=1, log=lambda _: None, records=records, commit=True, pages=pages
+    )
+    assert failed == []
+    commits = _git(repo, "log", "--format=%h").split()
+    assert len(commits) == 3
+    for i, commit in enumerate(reversed(commits), start=1):
+        files = _git(repo, "show", "--format=", "--name-only", commit).split()
+        assert "docs/results/walk.md" in files and any(f.endswith(".json.gz") for f in files)
+        assert _git(repo, "show", f"{commit}:docs/results/walk.md") == f"{i} records\n"
+
+
+def test_the_pages_rebuilt_after_a_record_are_what_a_rebuild_from_the_records_writes(tmp_path) -> None:
+    """`rebuild_pages` (what --commit commits with each record) writes the committed pages byte for byte
+    from the committed records, whatever the folder it runs from, and claims.md beside them."""
+    import shutil
+
+    from studies.cli import rebuild_pages
+
+    results = tmp_path / "checkout" / "docs" / "results"
+    committed = Path(__file__).resolve().parents[2] / "docs" / "results"
+    shutil.copytree(committed, results)
+    for name in ("walk3.md", "walk3.json", "claims.md"):
+        (results / name).unlink()
+    files = rebuild_pages("walk3", results, False)()
+    assert [f.name for f in files] == ["walk3.md", "walk3.png", "walk3.json", "claims.md"]
+    for name in ("walk3.md", "walk3.json", "claims.md"):
+        assert (results / name).read_bytes() == (committed / name).read_bytes(), name
+    assert rebuild_pages("no-such-experiment", results, False)() == []  # said, and the record still lands
