@@ -748,14 +748,19 @@ def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
 
 
-def test_with_commit_each_record_is_committed_alone_as_it_lands(tmp_path, monkeypatch) -> None:
-    """--commit: every record is its own commit in the checkout that holds the records, with the machine's
-    step-0 scores; a change staged there by someone else stays staged, out of the commit."""
-    repo = tmp_path / "main"
-    repo.mkdir()
+def _new_repo(repo: Path) -> Path:
+    """An empty git repository at `repo` (made if missing) with a committer set."""
+    repo.mkdir(parents=True, exist_ok=True)
     _git(repo, "init", "-q")
     _git(repo, "config", "user.email", "t@t")
     _git(repo, "config", "user.name", "t")
+    return repo
+
+
+def test_with_commit_each_record_is_committed_alone_as_it_lands(tmp_path, monkeypatch) -> None:
+    """--commit: every record is its own commit in the checkout that holds the records, with the machine's
+    step-0 scores; a change staged there by someone else stays staged, out of the commit."""
+    repo = _new_repo(tmp_path / "main")
     (repo / "other.txt").write_text("mine\n")
     _git(repo, "add", "other.txt")  # staged, not to be committed by the runner
     records = repo / "docs" / "results" / "runs" / "walk"
@@ -788,11 +793,7 @@ def test_a_step0_score_is_committed_while_its_run_trains_and_survives_the_run_fa
     """--commit: a seed's step-0 score is committed as soon as its run has written it, not when the run
     ends: the run here fails after its step-0 evaluation (as a run cut off mid-training does) and its
     score is in the checkout all the same; a new checkout of the same kind of machine reuses it."""
-    repo = tmp_path / "main"
-    repo.mkdir()
-    _git(repo, "init", "-q")
-    _git(repo, "config", "user.email", "t@t")
-    _git(repo, "config", "user.name", "t")
+    repo = _new_repo(tmp_path / "main")
     records = repo / "docs" / "results" / "runs" / "walk"
     chosen = [r for r in plan(load_experiment("walk"), tmp_path / "runs") if r.seed == 0][:1]
     here = {"device": "cpu", "cpus": 2, "cpu_bf16": [], "machine": "x86_64", "torch": "9.8"}
@@ -1171,11 +1172,7 @@ def test_with_commit_and_pages_each_record_is_committed_with_the_pages_that_read
 ) -> None:
     """--commit with `pages`: a record's commit carries the pages rebuilt with it, so a session cut off
     after any commit leaves pages that show every committed record (test_pages_regenerate)."""
-    repo = tmp_path / "main"
-    repo.mkdir()
-    _git(repo, "init", "-q")
-    _git(repo, "config", "user.email", "t@t")
-    _git(repo, "config", "user.name", "t")
+    repo = _new_repo(tmp_path / "main")
     records = repo / "docs" / "results" / "runs" / "walk"
     page = repo / "docs" / "results" / "walk.md"
     chosen = [r for r in plan(load_experiment("walk"), tmp_path / "runs") if r.seed in (0, 1)][:3]
