@@ -42,6 +42,12 @@ class RecipeKeys:
             `None`: chat when the tokenizer has a chat template (instruct models), plain text otherwise.
         system_prompt (`str` or `None`, *optional*, defaults to `None`):
             The system message of chat prompts.
+        chat_template_path (`str` or `None`, *optional*, defaults to `None`):
+            A chat template for a tokenizer that has none (a base model, whose GGUF file often carries
+            none) or in place of its own: a Jinja file (`.jinja` or `.j2`), or the name of one otbrl
+            ships (`gemma`: Gemma's turns, `<start_of_turn>user` ... `<end_of_turn>`). Used by the
+            prompts, the held-out evaluation and the warm start (`sft_steps`), and saved with a warm
+            start's tokenizer. `None`: the tokenizer's own.
         train_size (`int`, *optional*, defaults to `4096`):
             Prompts drawn for a built-in task.
 
@@ -176,6 +182,7 @@ class RecipeKeys:
     answer_column: str = "answer"
     chat: bool | None = None
     system_prompt: str | None = None
+    chat_template_path: str | None = None
     model: str = "warm:small"
     model_revision: str | None = None
     model_fallback: str | None = None

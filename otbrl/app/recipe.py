@@ -26,6 +26,7 @@ from transformers import HfArgumentParser
 from otbrl.app.answers import get_reward
 from otbrl.app.config import RECIPE_DEFAULTS, TRAINER_DEFAULTS, RecipeKeys
 from otbrl.app.precision import resolve_bf16
+from otbrl.app.sources import chat_template_text
 from otbrl.integrations.trl import OTBGRPOConfig
 from otbrl.rollout.multiturn import resolve_tools
 from otbrl.tasks import get_task
@@ -305,6 +306,10 @@ def check_recipe(recipe: dict[str, Any]) -> Any:
             raise ValueError(f"max_turns: must be >= 1 when tools are given, got {turns}")
     if recipe["chat"] and synthetic:
         raise ValueError("chat: warm:/random: models use a character tokenizer without a chat template")
+    if recipe["chat_template_path"]:
+        if synthetic:
+            raise ValueError("chat_template_path: warm:/random: models use a character tokenizer, no chat")
+        chat_template_text(str(recipe["chat_template_path"]))  # a missing file or unknown name fails here
     if recipe["sampler"] not in ("trl", "otbrl"):
         raise ValueError(f"sampler: must be trl or otbrl, got {recipe['sampler']!r}")
     if recipe["sft_steps"] < 0 or recipe["sft_batch_size"] < 1 or recipe["sft_learning_rate"] <= 0:

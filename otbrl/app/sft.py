@@ -30,7 +30,7 @@ from typing import Any
 from otbrl import __version__ as otbrl_version
 from otbrl.app.precision import resolve_bf16
 from otbrl.app.recipe import load_recipe
-from otbrl.app.sources import as_chat, choose_model, load_model
+from otbrl.app.sources import as_chat, choose_model, load_model, shipped_templates
 from otbrl.tasks import dataset, get_task
 from otbrl.tasks.chat_problems import PROBLEM_TASKS
 from otbrl.tasks.worked import STYLES, WEIGHTS
@@ -114,6 +114,12 @@ def warm_start_chat(
     from trl import SFTConfig, SFTTrainer
 
     model, tokenizer = load_model(choose_model(recipe, log), log)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"sft: the tokenizer of {recipe['model']} has no chat template, and the warm start trains chat "
+            f"turns: give one with chat_template_path (a .jinja file, or one of otbrl's: "
+            f"{', '.join(shipped_templates())})"
+        )
     longest = int(recipe.get("max_prompt_length") or 256) + int(recipe.get("max_completion_length") or 128)
     config = SFTConfig(
         output_dir=str(out / "trainer"),
@@ -192,7 +198,7 @@ def sft_key_parts(recipe: dict[str, Any]) -> dict[str, Any]:
     import trl
 
     from otbrl.app.precision import cpu_flags
-    from otbrl.app.sources import _digest, gguf_file
+    from otbrl.app.sources import _digest, chat_template_text, gguf_file
 
     source = gguf_file(str(recipe["model"]))
     model = str(recipe["model"]) if source is None else f"gguf:{_digest(source)}"
@@ -210,6 +216,9 @@ def sft_key_parts(recipe: dict[str, Any]) -> dict[str, Any]:
         "machine": [platform.machine(), sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")))],
         "cuda": _cuda(),
     }
+    if recipe.get("chat_template_path"):  # only when given: the keys of warm starts built before stay
+        text = chat_template_text(str(recipe["chat_template_path"]))
+        parts["chat_template"] = hashlib.sha256(text.encode()).hexdigest()
     return parts
 
 

@@ -148,7 +148,11 @@ def shape_prompts(
             False,
         )
     if not has_template:
-        raise ValueError(f"chat: the tokenizer of {recipe['model']} has no chat template; set chat: false")
+        raise ValueError(
+            f"chat: the tokenizer of {recipe['model']} has no chat template; give one with "
+            f"chat_template_path (a .jinja file, or one of otbrl's: {', '.join(shipped_templates())}), "
+            "or set chat: false"
+        )
     kwargs = dict(config.chat_template_kwargs or {})
     render = lambda p: tokenizer.apply_chat_template(  # noqa: E731
         as_chat(p, system), tokenize=False, add_generation_prompt=True, **kwargs
@@ -343,14 +347,46 @@ def _fetch(what: str, spec: str, options: dict[str, Any], load: Callable[[], Any
         ) from None
 
 
+# ----------------------------------------------------------------------------------------------------
+# Chat templates: a base model's tokenizer (a GGUF file of a pretrained, not instruction-tuned, model)
+# often has none, and without one there are no chat prompts, no tool turns and no warm start.
+
+TEMPLATES = Path(__file__).parent / "templates"  # the templates otbrl ships, by name: gemma -> gemma.jinja
+
+
+def shipped_templates() -> list[str]:
+    return sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
+
+
+def chat_template_text(spec: str) -> str:
+    """The Jinja text of a `chat_template_path`: a `.jinja`/`.j2` file, or the name of a shipped template."""
+    path = Path(spec).expanduser()
+    if path.suffix not in (".jinja", ".j2"):
+        if spec not in shipped_templates():
+            raise ValueError(
+                f"chat_template_path: {spec!r} is neither a .jinja/.j2 file nor one of otbrl's templates "
+                f"{shipped_templates()}"
+            )
+        path = TEMPLATES / f"{spec}.jinja"
+    if not path.is_file():
+        raise ValueError(f"chat_template_path: {spec}: no such file")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"chat_template_path: {spec} is empty")
+    return text
+
+
 def load_tokenizer(recipe: dict[str, Any]) -> Any:
-    """The tokenizer of a local directory, GGUF file or Hub model id (a pad token added when it has none)."""
+    """The tokenizer of a local directory, GGUF file or Hub model id (a pad token added when it has none,
+    the recipe's `chat_template_path` in place of its chat template when given)."""
     from transformers import AutoTokenizer
 
     where, options = _pretrained(recipe)
     tokenizer = _fetch("tokenizer", where, options, lambda: AutoTokenizer.from_pretrained(where, **options))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if recipe.get("chat_template_path"):
+        tokenizer.chat_template = chat_template_text(str(recipe["chat_template_path"]))
     return tokenizer
 
 
