@@ -30,7 +30,7 @@ from typing import Any
 from otbrl import __version__ as otbrl_version
 from otbrl.app.precision import resolve_bf16
 from otbrl.app.recipe import load_recipe
-from otbrl.app.sources import as_chat, choose_model, load_model, shipped_templates
+from otbrl.app.sources import as_chat, choose_model, load_model, template_hint
 from otbrl.tasks import dataset, get_task
 from otbrl.tasks.chat_problems import PROBLEM_TASKS
 from otbrl.tasks.worked import STYLES, WEIGHTS
@@ -117,8 +117,7 @@ def warm_start_chat(
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"sft: the tokenizer of {recipe['model']} has no chat template, and the warm start trains chat "
-            f"turns: give one with chat_template_path (a .jinja file, or one of otbrl's: "
-            f"{', '.join(shipped_templates())})"
+            f"turns: {template_hint()}"
         )
     longest = int(recipe.get("max_prompt_length") or 256) + int(recipe.get("max_completion_length") or 128)
     config = SFTConfig(

@@ -149,8 +149,7 @@ def shape_prompts(
         )
     if not has_template:
         raise ValueError(
-            f"chat: the tokenizer of {recipe['model']} has no chat template; give one with "
-            f"chat_template_path (a .jinja file, or one of otbrl's: {', '.join(shipped_templates())}), "
+            f"chat: the tokenizer of {recipe['model']} has no chat template; {template_hint()}, "
             "or set chat: false"
         )
     kwargs = dict(config.chat_template_kwargs or {})
@@ -356,6 +355,12 @@ TEMPLATES = Path(__file__).parent / "templates"  # the templates otbrl ships, by
 
 def shipped_templates() -> list[str]:
     return sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
+
+
+def template_hint() -> str:
+    """How to give a tokenizer that has no chat template one: the end of every error that finds none."""
+    names = ", ".join(shipped_templates())
+    return f"give one with chat_template_path (a .jinja file, or one of otbrl's: {names})"
 
 
 def chat_template_text(spec: str) -> str:
