@@ -4,6 +4,10 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
+# Where torch comes from. Empty: pip's configured index (this project's machines find a local CPU build
+# there). Where that index would give the CUDA build:
+#   make test TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 TESTED  := $(TORCH) trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0 math-verify==0.9.0 \
            peft==0.21.2 scipy==1.17.1 gguf==0.19.0 pytest-xdist==3.8.0
 
@@ -17,7 +21,7 @@ VSTAMP  := .venv-verl/.installed
 $(STAMP): pyproject.toml studies/requirements.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q $(TORCH_INDEX) $(TORCH)
 	printf '%s\n' $(TESTED) > .venv/constraints.txt
 	$(PY) -m pip install -q -c .venv/constraints.txt -e ".[dev]" -r studies/requirements.txt
 	touch $(STAMP)
@@ -35,7 +39,7 @@ test: $(STAMP) lint
 $(VSTAMP): pyproject.toml
 	test -x $(VPY) || python3 -m venv .venv-verl
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q $(TORCH)
+	$(VPY) -m pip install -q $(TORCH_INDEX) $(TORCH)
 	echo "$(TORCH)" > .venv-verl/constraints.txt
 	$(VPY) -m pip install -q -c .venv-verl/constraints.txt -e ".[verl]" "pytest>=8,<10" "hypothesis>=6.100,<7"
 	touch $(VSTAMP)
