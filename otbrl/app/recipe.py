@@ -28,6 +28,7 @@ from otbrl.app.config import RECIPE_DEFAULTS, TRAINER_DEFAULTS, RecipeKeys
 from otbrl.app.precision import resolve_bf16
 from otbrl.app.sources import chat_template_text
 from otbrl.integrations.trl import OTBGRPOConfig
+from otbrl.integrations.trl.config import checkpointing_key
 from otbrl.rollout.multiturn import resolve_tools
 from otbrl.tasks import get_task
 
@@ -357,6 +358,9 @@ def make_config(recipe: dict[str, Any]) -> Any:
     values = {k: v for k, v in recipe.items() if k in fields}
     use_cpu = not torch.cuda.is_available()
     values["bf16"] = resolve_bf16(values.get("bf16", False), use_cpu)[0]
+    new = checkpointing_key()  # the recipe key keeps TRL's documented name; passed under the current one
+    if new != "gradient_checkpointing" and values.get(new) is None and "gradient_checkpointing" in values:
+        values[new] = values.pop("gradient_checkpointing")
     try:
         return OTBGRPOConfig(**values, use_cpu=use_cpu)
     except (ValueError, TypeError, ZeroDivisionError) as err:

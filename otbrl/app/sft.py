@@ -113,6 +113,8 @@ def warm_start_chat(
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
+    from otbrl.integrations.trl.config import checkpointing_key
+
     model, tokenizer = load_model(choose_model(recipe, log), log)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -136,6 +138,7 @@ def warm_start_chat(
         data_seed=seed,
         use_cpu=not _cuda(),
         disable_tqdm=False,
+        **{checkpointing_key(): True},  # TRL's default for SFT, under the name transformers does not warn on
     )
     started = time.perf_counter()
     tools = any("parts" in r for r in rows)

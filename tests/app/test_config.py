@@ -59,6 +59,27 @@ def test_trainer_defaults_are_documented_and_used(tmp_path):
     assert {k: recipe[k] for k in TRAINER_DEFAULTS} == TRAINER_DEFAULTS
 
 
+@pytest.mark.parametrize(
+    ("given", "on"),
+    [({}, False), ({"gradient_checkpointing": "true"}, True), ({"activation_checkpointing": "true"}, True)],
+)
+def test_checkpointing_is_the_recipes_and_builds_without_transformers_deprecation_warning(
+    tmp_path, recwarn, given, on
+):
+    """The recipe key keeps TRL's name (`gradient_checkpointing`); the config gets it under transformers'
+    current one, so a run does not warn about a setting its user never gave, and the value is the recipe's."""
+    from otbrl.app.recipe import make_config
+    from otbrl.integrations.trl.config import checkpointing_key
+
+    path = tmp_path / "r.yaml"
+    path.write_text("task: running_sum16\n")
+    config = make_config(load_recipe(str(path), given))
+    assert config.gradient_checkpointing is on
+    assert getattr(config, checkpointing_key()) is on
+    deprecated = [w for w in recwarn if "gradient_checkpointing" in str(w.message)]
+    assert deprecated == [], [str(w.message) for w in deprecated]
+
+
 def test_the_libraries_yaml_readers_get_recipe_values_wrong(tmp_path):
     """Why otbrl.app.recipe has its own YAML 1.2 loader: TRL's and transformers' readers are YAML 1.1 (`no`
     is false, so `save_strategy: no` is refused) and transformers' leaves `1e-4` a string. When this test

@@ -21,6 +21,15 @@ from otbrl.stability import LengthSurgeDecay
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"eps": 1e-4}}
 
 
+def checkpointing_key() -> str:
+    """The TrainingArguments field that switches activation (gradient) checkpointing. transformers 5.x
+    calls it `activation_checkpointing` and warns whenever only the old name `gradient_checkpointing` is
+    set, as TRL's configs set it by default: code that builds a config uses this name, so that a run does
+    not warn about a setting its user never gave."""
+    names = {f.name for f in fields(GRPOConfig)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
 @dataclass
 class OTBGRPOConfig(GRPOConfig):
     r"""
