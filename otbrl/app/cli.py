@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,16 @@ def _show_warnings() -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         ours.addHandler(handler)
+
+
+# transformers 5.x renamed gradient checkpointing to activation checkpointing and warns on each use of an
+# old name; TRL's generation path calls the old methods around every step (dozens of warnings a run) and
+# nothing a user sets can change that. Only these renames are hidden, and only in otbrl's own commands.
+RENAMED_CHECKPOINTING = r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"
+
+
+def _hide_library_renames() -> None:
+    warnings.filterwarnings("ignore", message=RENAMED_CHECKPOINTING, category=FutureWarning)
 
 
 def parse_overrides(items: list[str], raw: bool = False) -> dict:
@@ -185,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     for add, command in SUBCOMMANDS.values():
         add(sub).set_defaults(command_fn=command, parser=parser)
     args, rest = parser.parse_known_args(argv)
+    _hide_library_renames()
     args.command_fn(args, rest)
 
 

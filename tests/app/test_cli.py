@@ -4,6 +4,7 @@ its outputs, and resume."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -183,6 +184,18 @@ def test_console_shows_a_compact_line_per_step_and_only_what_was_written(tmp_pat
     assert "final (the trained model)" in closing
     assert "TensorBoard" not in closing and "checkpoint" not in closing  # report_to [] and save_strategy no
     assert not list(out.glob("checkpoint-*")) and not list(out.rglob("events.out.tfevents*"))
+
+
+def test_a_run_does_not_warn_about_checkpointing_renames_its_user_cannot_change(tmp_path, recwarn):
+    """TRL's generation path calls transformers' old gradient-checkpointing names around every step; an
+    otbrl command hides those renames, and only those."""
+    main(["train", "--config", "demo", *fast_args(tmp_path / "run"), "--save_strategy", "no"])
+    renames = [str(w.message) for w in recwarn if "checkpointing" in str(w.message)]
+    assert renames == []
+    recwarn.clear()
+    for name in ("gradient_checkpointing_enable", "is_gradient_checkpointing", "something_else"):
+        warnings.warn(f"`{name}` is deprecated and will be removed in v6.", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in recwarn] == ["`something_else` is deprecated and will be removed in v6."]
 
 
 def test_a_reward_function_that_fails_in_training_stops_the_run_with_its_text(
