@@ -31,6 +31,8 @@ The fair protocol's keys, fixed before the runs:
     pilot: {..., gate: {heldout_gain: 0.05, arms: {grpo-N32: 0.15}},   # every arm must learn: held-out
             variance_seeds: [101, 102, 103]}       # gain at its picked rate; then the picked rates on
                                                    # these seeds give the variance the power needs
+    pilot: {..., gate: {..., phenomenon: true}}    # and each comparison's `phenomenon` floors over its
+                                                   # two arms' first-stage runs at their picks
     pilot: {..., first_stage_any_machine: true}    # with same_machine: the first stage's seeds may span
                                                    # machines (its pick and gate read arm by arm); the
                                                    # variance seeds and reported seeds keep one a seed
@@ -225,6 +227,13 @@ def _check_protocol(path: Path, exp: Experiment) -> None:
                         raise ValueError(
                             f"experiment {path}: pilot: gate gap {role} {gap[role]!r} is not an arm"
                         )
+            if not isinstance(gate.get("phenomenon", False), bool):
+                raise ValueError(f"experiment {path}: pilot: gate phenomenon must be true or false")
+            if gate.get("phenomenon") and not (exp.phenomenon and exp.comparisons):
+                raise ValueError(
+                    f"experiment {path}: pilot: gate phenomenon needs the protocol's phenomenon floors "
+                    "and comparisons to read them over"
+                )
     if not isinstance(exp.dropped, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in exp.dropped.items()
     ):

@@ -641,6 +641,77 @@ def test_the_pilot_gate_can_ask_for_the_gap_claim_b_needs(tmp_path) -> None:
         load_experiment(str(bad))
 
 
+def test_the_pilot_gate_can_ask_for_the_phenomenon_over_whole_runs_at_the_picks(tmp_path) -> None:
+    """`gate: {phenomenon: true}`: each comparison's floors (length_cv_run >= 0.3) read over its two arms'
+    first-stage runs at their picks, by the reported runs' rule (the mean over both arms' runs of each
+    run's mean over its steps). A rate that was not picked does not count; a run still to go keeps the
+    row pending; the floor without a protocol phenomenon is refused at load time."""
+
+    def pilot_of(cvs: dict[tuple[str, float], list[float | None]], root: Path) -> tuple[bool, list[str]]:
+        spec = {"name": "c", "kind": "better", "candidate": "otb", "baseline": "grpo", "budgets": [10]}
+        gate = {"heldout_gain": 0.0, "phenomenon": True}
+        pilot_ = {
+            "seed": 9,
+            "seeds": [9, 10],
+            "pick": "heldout",
+            "learning_rates": [1e-4, 3e-4],
+            "gate": gate,
+        }
+        exp = Experiment(
+            name="t",
+            recipe="demo",
+            arms={"otb": {}, "grpo": {}},
+            seeds=[0],
+            smooth=1,
+            pilot=pilot_,
+            comparisons=[spec],
+            phenomenon={"length_cv_run": 0.3},
+        )
+        runs = []
+        for (arm, lr), per_seed in cvs.items():
+            for seed, cv in zip((9, 10), per_seed, strict=True):
+                run = _fake_run(root, f"{arm}@{lr:g}", seed, [0.3] * 4, 10)
+                rows = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
+                c = 0.0 if cv is None else cv
+                steps = [c - 0.1, c + 0.1, c - 0.05, c + 0.05]  # a run's value: the mean of its steps
+                for row, value in zip(rows, steps, strict=True):
+                    row["otb/horizon/length_cv"] = value
+                (run.dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+                after = 0.5 if lr == 1e-4 else 0.4  # 1e-4 is every arm's pick
+                (run.dir / "summary.json").write_text(
+                    json.dumps({"held-out reward after": after, "held-out reward before": 0.3})
+                )
+                run.overrides["learning_rate"] = lr
+                runs.append(run)
+                if cv is None:  # still to run
+                    (run.dir / "summary.json").unlink()
+        _, _, rows, ok = picks_and_gate(exp, runs, None)
+        return ok, [str(r) for r in rows if str(r).startswith("['phenomenon: ")]
+
+    # at the picks: otb 0.26, grpo 0.31: 0.285 over both arms' runs, below the floor; the 3e-4 runs' high
+    # CVs would lift it to 0.41 if they counted
+    low = {
+        ("otb", 1e-4): [0.25, 0.27],
+        ("grpo", 1e-4): [0.30, 0.32],
+        ("otb", 3e-4): [0.6, 0.6],
+        ("grpo", 3e-4): [0.5, 0.5],
+    }
+    ok, (row,) = pilot_of(low, tmp_path / "low")
+    assert not ok and "failed" in row and "phenomenon: otb + grpo" in row
+    assert "otb 0.260, grpo 0.310; over both arms' runs 0.285" in row and "length_cv_run ≥ 0.3" in row
+    ok, (row,) = pilot_of({**low, ("grpo", 1e-4): [0.40, 0.42]}, tmp_path / "high")  # 0.335
+    assert ok and "passed" in row and "over both arms' runs 0.335" in row
+    ok, (row,) = pilot_of({**low, ("grpo", 1e-4): [0.30, None]}, tmp_path / "pending")  # a run to go
+    assert not ok and "pending" in row
+    bad = tmp_path / "phenomenon.yaml"
+    bad.write_text(
+        "recipe: demo\nseeds: [0]\narms: {a: {}}\n"
+        "pilot: {seed: 9, learning_rates: [1e-4], gate: {heldout_gain: 0.05, phenomenon: true}}\n"
+    )
+    with pytest.raises(ValueError, match="gate phenomenon needs"):
+        load_experiment(str(bad))
+
+
 def test_the_pilot_grids_average_every_pilot_seed_and_say_which_are_still_to_run(tmp_path) -> None:
     """The reading grids follow the rule: each cell is the mean over the pilot's seeds (not one seed's
     run); a rate with some seeds still to run says how many have, with no mean of the first ones."""
