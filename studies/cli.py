@@ -3,6 +3,7 @@
 python -m studies compare EXPERIMENT [--quick|--pilot] [--jobs 2] [--seeds 9-14]   registered experiments
 python -m studies step0 EXPERIMENT [--pilot] --seeds 0-15 [--jobs 2]            step-0 scores ahead of runs
 python -m studies claims [--results docs/results] [--readme README.md]           the claims page
+python -m studies phenomenon EXPERIMENT [--results docs/results]                 its phenomenon, run by run
 python -m studies variance [--quick] [--out DIR] [...]                           gradient noise per estimator
 python -m studies variance-a [--pilot|--no-run] [--amend REASON]                 claim (a), registered
 
@@ -26,6 +27,7 @@ from otbrl.app.cli import CliError, int_list
 from studies import variance, variance_a_cli
 from studies.claims import BEGIN, STUDIES, proxy_claim, sync_readme, variance_claim, write_claims
 from studies.compare import RESULTS, compare, experiment_names, pilot
+from studies.phenomenon import phenomenon
 from studies.runs import commit_files
 from studies.step0 import ahead
 
@@ -79,10 +81,11 @@ def commit_registration(results: Path) -> Callable[[Path], bool]:
 
 
 def rebuild_pages(experiment: str, results: Path, pilot_stage: bool) -> Callable[[], list[Path]]:
-    """--commit: after each record lands, the experiment's page (its pilot's, with `pilot_stage`),
-    claims.md and the README's copy, rebuilt from the records as `--no-run` would, for the record's commit:
-    a session cut off between a record and a rebuild by hand left pages that test_pages_regenerate refused.
-    A rebuild that fails is said and commits no page; the record is committed all the same."""
+    """--commit: after each record lands, the experiment's page (its pilot's, with `pilot_stage`), its
+    phenomenon page where one is committed (`studies.phenomenon`), claims.md and the README's copy,
+    rebuilt from the records as `--no-run` would, for the record's commit: a session cut off between a
+    record and a rebuild by hand left pages that test_pages_regenerate refused. A rebuild that fails is
+    said and commits no page; the record is committed all the same."""
 
     def quiet(_: str) -> None:
         pass
@@ -95,6 +98,9 @@ def rebuild_pages(experiment: str, results: Path, pilot_stage: bool) -> Callable
             else:
                 page = compare(experiment, results=results, train=False, log=quiet)[0]
                 files = [page, page.with_suffix(".png"), page.with_suffix(".json")]
+            own = results / f"{experiment}-phenomenon.md"
+            if own.is_file():  # committed once: kept current as the records land
+                files += [phenomenon(experiment, results), own.with_suffix(".png")]
             return files + claims_files(results)
         except Exception as err:  # a page must not stop the runs: the record still lands
             print(f"studies: {experiment}: pages not rebuilt after a record: {err}", file=sys.stderr)
@@ -198,6 +204,29 @@ def claims_command(args: argparse.Namespace, rest: list[str]) -> None:
         print(f"updated the evidence section of {args.readme}")
 
 
+def phenomenon_command(args: argparse.Namespace, rest: list[str]) -> None:
+    if rest:
+        args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        page = phenomenon(args.experiment, args.results)
+    except ValueError as err:
+        raise fail(str(err)) from None
+    print(f"wrote {page}")
+
+
+def add_phenomenon(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "phenomenon",
+        help="an experiment's phenomenon (e.g. the length CV) in every committed run at the picks, and where "
+        "its reported runs head for; reads no reward",
+    )
+    p.add_argument("experiment", help=f"a packaged experiment: {', '.join(experiment_names())}")
+    p.add_argument(
+        "--results", type=Path, default=RESULTS, help="where the records are (default docs/results)"
+    )
+    return p
+
+
 def variance_command(args: argparse.Namespace, rest: list[str]) -> None:
     if rest:
         args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -299,6 +328,7 @@ SUBCOMMANDS = {
     "compare": (add_compare, compare_command),
     "step0": (add_step0, step0_command),
     "claims": (add_claims, claims_command),
+    "phenomenon": (add_phenomenon, phenomenon_command),
     "variance": (add_variance, variance_command),
     "variance-a": (add_variance_a, variance_a_command),
 }

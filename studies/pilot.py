@@ -63,7 +63,7 @@ def pilot_score(rows: Path | list[dict[str, Any]]) -> float:
     return sum(rewards[-k:]) / k
 
 
-def _run_data(run: Run, records: Path | None) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+def run_data(run: Run, records: Path | None) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
     """(metrics rows, summary) of a finished run: its committed record, else its directory."""
     if has_record(run, records):
         rec = read_record(record_path(records, run.arm, run.seed))
@@ -113,7 +113,7 @@ def picks_and_gate(
         mine = [r for r in runs if r.arm.startswith(arm + "@")]
         data: dict[float, list[Any]] = {}
         for r in mine:  # every seed of every rate; a rate is scored only once all its seeds are in
-            data.setdefault(r.overrides["learning_rate"], []).append(_run_data(r, records))
+            data.setdefault(r.overrides["learning_rate"], []).append(run_data(r, records))
         scores = {
             lr: statistics.fmean(_pick_score(d, by_heldout) for d in ds)
             for lr, ds in data.items()
@@ -189,7 +189,7 @@ def phenomenon_rows(
         floors = ", ".join(f"{k} ≥ {float(v):g}" for k, v in exp.phenomenon.items())
         data = {
             a: [
-                _run_data(r, records)
+                run_data(r, records)
                 for r in runs
                 if r.arm.startswith(a + "@") and r.overrides["learning_rate"] == picks[a]
             ]
@@ -221,7 +221,7 @@ def gap_row(
     for role in ("larger", "smaller"):
         arm = gap[role]
         mine = [r for r in runs if r.arm == f"{arm}@{picks.get(arm)}"] if arm in picks else []
-        data = [_run_data(r, records) for r in mine]
+        data = [run_data(r, records) for r in mine]
         after = [d[1].get("held-out reward after") for d in data if d is not None]
         ends[role] = (
             statistics.fmean(after) if mine and len(after) == len(mine) and None not in after else None
@@ -255,7 +255,7 @@ def pilot_grids(
         g, c = [arm], [arm]
         for lr in lrs:
             mine = [r for r in runs if r.arm.startswith(arm + "@") and r.overrides["learning_rate"] == lr]
-            data = [_run_data(r, records) for r in mine]
+            data = [run_data(r, records) for r in mine]
             if not data or None in data:
                 g.append(_seeds_run(data) if data else "—")
                 c.append(g[-1])
@@ -286,7 +286,7 @@ def pilot_curves(
     curves: dict[str, Any] = {}
     gates: dict[str, tuple[float, float]] = {}
     for r in runs:
-        d = _run_data(r, records)
+        d = run_data(r, records)
         if d is None:
             continue
         rows, summary = d
@@ -338,7 +338,7 @@ def power_plans(exp: Experiment, runs: list[Run], records: Path | None) -> list[
     settings = power_settings(exp)
     by_arm: dict[str, dict[int, float]] = {}
     for r in runs:
-        d = _run_data(r, records)
+        d = run_data(r, records)
         if d is None:
             continue
         heldout = {int(b): row["heldout_reward"] for row in d[0] for b in row.get("heldout_budgets", [])}
