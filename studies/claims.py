@@ -840,6 +840,12 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
             "on the base runs' lengths): [decay_timing.md](decay_timing.md)."
             if (results / "decay_timing.md").is_file()
             else ""
+        )
+        + "".join(
+            f" Where {n}'s phenomenon heads, run by run (no reward read): "
+            f"[{n}-phenomenon.md]({n}-phenomenon.md)."
+            for n in STUDIES
+            if (results / f"{n}-phenomenon.md").is_file() and _load(results, n) is not None
         ),
         "",
         "Each row's interval is a 95% t confidence interval over paired seeds; in the linked pages' arm "
