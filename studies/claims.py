@@ -842,7 +842,7 @@ def write_claims(results: Path = Path("docs/results")) -> Path:
             else ""
         )
         + "".join(
-            f" Where {n}'s phenomenon heads, run by run (no reward read): "
+            f" Where {n}'s phenomenon heads, run by run (no reward shown): "
             f"[{n}-phenomenon.md]({n}-phenomenon.md)."
             for n in STUDIES
             if (results / f"{n}-phenomenon.md").is_file() and _load(results, n) is not None

@@ -218,7 +218,7 @@ def add_phenomenon(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "phenomenon",
         help="an experiment's phenomenon (e.g. the length CV) in every committed run at the picks, and where "
-        "its reported runs head for; reads no reward",
+        "its reported runs head for; shows no reward",
     )
     p.add_argument("experiment", help=f"a packaged experiment: {', '.join(experiment_names())}")
     p.add_argument(

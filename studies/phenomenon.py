@@ -1,7 +1,7 @@
 """Where an experiment's phenomenon stands, from its committed records alone: each run's value of the
 protocol's `phenomenon` keys (e.g. the within-group length CV averaged over the run's steps) at every
 arm's learning rate, per stage (the pilot's first stage and variance seeds at that rate, the reported
-runs so far), and per comparison the level its reported runs head for. It reads no held-out or train
+runs so far), and per comparison the level its reported runs head for. It shows no held-out or train
 reward, so it can be looked at while the reported runs are still going.
 
     python -m studies phenomenon smollm2c     # -> docs/results/smollm2c-phenomenon.md and .png
@@ -95,7 +95,7 @@ def phenomenon_page(exp: Experiment, results: Path) -> str:
     parts = [
         f"# Experiment `{exp.name}`: its phenomenon, run by run\n",
         f"Regenerate: `python -m studies phenomenon {exp.name}` (from the committed records alone; it trains "
-        "nothing and reads no reward).\n",
+        "nothing and shows no reward).\n",
         "The claims need "
         + ", ".join(f"{k} ≥ {float(v):g}" for k, v in exp.phenomenon.items())
         + " over each comparison's two arms' runs (each run's mean over its steps, averaged over the runs "
