@@ -234,6 +234,17 @@ def _check_protocol(path: Path, exp: Experiment) -> None:
                     f"experiment {path}: pilot: gate phenomenon needs the protocol's phenomenon floors "
                     "and comparisons to read them over"
                 )
+            unpiloted = {
+                a
+                for c in exp.comparisons
+                for a in (c["candidate"], c["baseline"])
+                if (exp.arms.get(a) or {}).get("pilot_learning_rates") == []
+            }
+            if gate.get("phenomenon") and unpiloted:
+                raise ValueError(
+                    f"experiment {path}: pilot: gate phenomenon reads every compared arm's pilot runs, and "
+                    f"{', '.join(sorted(unpiloted))} has none (pilot_learning_rates: [])"
+                )
     if not isinstance(exp.dropped, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in exp.dropped.items()
     ):

@@ -14,20 +14,21 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from studies.experiment import Experiment, load_experiment, pilot_plan, plan, variance_plan
+from studies.experiment import PILOT_KEYS, Experiment, load_experiment, pilot_plan, plan, variance_plan
 from studies.inference import scipy_stats, t_interval
 from studies.outcomes import analyse_rows
 from studies.pages import markdown_table
 from studies.pilot import run_data
-from studies.runs import Run
+from studies.runs import Run, has_record
 
 RUNS = Path("runs/compare")
+REPORTED = "reported runs"
 
 
 def stages(exp: Experiment) -> dict[str, list[Run]]:
     """The runs at each arm's learning rate (the YAML's, where the pilot's picks were written), by stage:
     the pilot's first stage, its variance seeds, and the reported runs (named by arm, as records are)."""
-    rates = {arm: (exp.arms[arm] or {}).get("learning_rate") for arm in exp.arms}
+    rates = {arm: {**exp.common, **(exp.arms[arm] or {})}.get("learning_rate") for arm in exp.arms}
     out: dict[str, list[Run]] = {}
     if exp.pilot:
         first = pilot_plan(exp, RUNS / exp.name / "pilot")
@@ -36,7 +37,7 @@ def stages(exp: Experiment) -> dict[str, list[Run]]:
         ]
         if exp.pilot.get("variance_seeds") and all(rates[a] is not None for a in exp.arms):
             out["pilot, variance seeds"] = variance_plan(exp, RUNS / exp.name / "pilot", rates)
-    out["reported runs"] = plan(exp, RUNS / exp.name)
+    out[REPORTED] = plan(exp, RUNS / exp.name)
     return out
 
 
@@ -45,11 +46,11 @@ def run_values(exp: Experiment, results: Path) -> list[dict[str, Any]]:
     committed records (`results/runs/NAME[-pilot]/`) by the rule that reads the reported runs."""
     rows = []
     for stage, runs in stages(exp).items():
-        records = results / "runs" / (exp.name if stage == "reported runs" else f"{exp.name}-pilot")
+        records = results / "runs" / (exp.name if stage == REPORTED else f"{exp.name}-pilot")
         for run in runs:
-            data = run_data(run, records)
-            if data is None:
+            if not has_record(run, records):  # records alone: a run folder in this checkout does not count
                 continue
+            data = run_data(run, records)
             result = analyse_rows(*data, exp)
             arm = run.arm.rpartition("@")[0] or run.arm
             rows.append(
@@ -67,27 +68,101 @@ def _cell(values: list[float]) -> str:
     return f"{iv.mean:.3f} [{iv.lo:.3f}, {iv.hi:.3f}] (SD {statistics.stdev(values):.3f}, n={iv.n})"
 
 
+def _corr(a: dict[int, float], b: dict[int, float]) -> tuple[float, int]:
+    """Pearson correlation of two arms' values over the seeds both ran, clipped at 0 (a negative one
+    would narrow the spread; too few shared seeds to trust it say nothing), and how many they share."""
+    shared = sorted(set(a) & set(b))
+    if len(shared) < 3:
+        return 0.0, len(shared)
+    xs, ys = [a[k] for k in shared], [b[k] for k in shared]
+    if statistics.pstdev(xs) == 0 or statistics.pstdev(ys) == 0:
+        return 0.0, len(shared)
+    return max(0.0, statistics.correlation(xs, ys)), len(shared)
+
+
 def heading_for(
-    values: dict[str, list[float]], floor: float, planned: int, confidence: float = 0.95
+    values: dict[str, dict[int, float]],
+    reported: dict[str, dict[int, float]],
+    planned: dict[str, list[int]],
+    floor: float,
+    confidence: float = 0.95,
 ) -> dict[str, Any]:
-    """The level a comparison's reported runs head for when every arm ends with `planned` runs (paired
-    seed by seed): the mean of the arms' means, with a normal interval from their standard errors; where
-    that interval lies against `floor`; and the chance that the finished plan reads at least `floor`:
-    normal, with the spread of today's estimate (flat prior) plus that of a `planned`-run mean."""
-    if not values or any(len(v) < 2 for v in values.values()):
-        return {"mean": math.nan, "lo": math.nan, "hi": math.nan, "reads": "too few runs", "chance": math.nan}
-    k = len(values)
-    mean = statistics.fmean(statistics.fmean(v) for v in values.values())
-    se = math.sqrt(sum(statistics.variance(v) / len(v) for v in values.values())) / k
-    se_plan = math.sqrt(sum(statistics.variance(v) / planned for v in values.values())) / k
-    norm = scipy_stats().norm
-    z = norm.ppf(0.5 + confidence / 2)
-    lo, hi = mean - z * se, mean + z * se
+    """Where a comparison's reported runs head for, as the rule reads them at the end: the mean over every
+    planned run of both arms (`outcomes.phenomenon_missing`). Each arm's runs are estimated by the mean of
+    all its runs at its rate (`values`: {arm: {seed: value}}, pilot seeds included), weighted by its planned
+    runs (`planned`: {arm: seeds}); the spread counts the seeds arms share (their runs' correlation over
+    shared seeds, clipped at 0) and a t interval on the fewest runs an arm has. `chance`: the finished
+    plan reads at least `floor`, normal: the reported runs done so far (`reported`) are fixed, the runs to
+    come vary as the arm's runs do around a mean known to its standard error (flat prior). `now`: the rule
+    on the reported runs done so far."""
+    arms = list(planned)
+    done = [v for a in arms for v in reported.get(a, {}).values()]
+    now = statistics.fmean(done) if done else math.nan
+    if any(len(values.get(a, {})) < 2 for a in arms) or not arms:
+        return {
+            "mean": math.nan,
+            "lo": math.nan,
+            "hi": math.nan,
+            "reads": "too few runs",
+            "chance": math.nan,
+            "now": now,
+        }
+    n = {a: len(values[a]) for a in arms}
+    m = {a: statistics.fmean(values[a].values()) for a in arms}
+    sd = {a: statistics.stdev(values[a].values()) for a in arms}
+
+    def cov_means(a: str, b: str) -> float:  # covariance of two arms' mean estimates
+        if a == b:
+            return sd[a] ** 2 / n[a]
+        r, shared = _corr(values[a], values[b])
+        return r * sd[a] * sd[b] * shared / (n[a] * n[b])
+
+    total = sum(len(planned[a]) for a in arms)
+    w = {a: len(planned[a]) / total for a in arms}
+    mean = sum(w[a] * m[a] for a in arms)
+    se = math.sqrt(sum(w[a] * w[b] * cov_means(a, b) for a in arms for b in arms))
+    stats = scipy_stats()
+    half = stats.t.ppf(0.5 + confidence / 2, min(n.values()) - 1) * se
+    lo, hi = mean - half, mean + half
     reads = (
         "below the floor" if hi < floor else "above the floor" if lo >= floor else "either side of the floor"
     )
-    chance = float(norm.sf((floor - mean) / math.hypot(se, se_plan))) if se > 0 else float(mean >= floor)
-    return {"mean": mean, "lo": lo, "hi": hi, "reads": reads, "chance": chance}
+    # the finished plan: the done reported runs as they are, the rest drawn around each arm's mean
+    future = {a: [s for s in planned[a] if s not in reported.get(a, {})] for a in arms}
+    expect = (sum(done) + sum(len(future[a]) * m[a] for a in arms)) / total
+    var = sum(len(future[a]) * len(future[b]) * cov_means(a, b) for a in arms for b in arms)
+    for a in arms:
+        var += len(future[a]) * sd[a] ** 2
+        for b in arms:
+            if b != a:
+                var += len(set(future[a]) & set(future[b])) * _corr(values[a], values[b])[0] * sd[a] * sd[b]
+    spread = math.sqrt(var) / total
+    chance = float(stats.norm.sf((floor - expect) / spread)) if spread > 0 else float(expect >= floor)
+    return {"mean": mean, "lo": lo, "hi": hi, "reads": reads, "chance": chance, "now": now}
+
+
+def _chance(p: float) -> str:
+    if not math.isfinite(p):
+        return "—"
+    return "> 99%" if 0.99 < p < 1 else "< 1%" if 0 < p < 0.01 else f"{p:.0%}"
+
+
+def _setting(exp: Experiment) -> str:
+    """Whether the pilot's runs are the reported runs' setting on other seeds, in words."""
+    if not exp.pilot:
+        return "The experiment has no pilot: only its reported runs say where it heads."
+    differ = sorted(k for k in exp.pilot if k not in PILOT_KEYS or k == "token_factor")
+    unrated = [a for a in exp.arms if {**exp.common, **(exp.arms[a] or {})}.get("learning_rate") is None]
+    text = (
+        f"The pilot's runs differ from the reported runs in {', '.join(differ)} (the pilot's section), so "
+        "they say only roughly where the reported runs head."
+        if differ
+        else "The pilot's runs ran the reported runs' setting on other seeds, so they say where the reported "
+        "runs head."
+    )
+    if unrated:
+        text += f" No learning rate in the YAML yet for {', '.join(unrated)}: its pilot runs are not read."
+    return text
 
 
 def phenomenon_page(exp: Experiment, results: Path) -> str:
@@ -101,8 +176,7 @@ def phenomenon_page(exp: Experiment, results: Path) -> str:
         + " over each comparison's two arms' runs (each run's mean over its steps, averaged over the runs "
         "of both arms; `studies.outcomes.phenomenon_missing`), else they read **not tested**. Here is that "
         "quantity for every committed run at each arm's learning rate (the YAML's, the pilot's pick): the "
-        "pilot's first stage, its variance seeds, and the reported runs so far. The pilot's runs ran the "
-        "reported runs' setting on other seeds, so they say where the reported runs are heading.\n",
+        "pilot's first stage, its variance seeds, and the reported runs so far. " + _setting(exp) + "\n",
     ]
     stage_names = list(dict.fromkeys(r["stage"] for r in rows))
     for key, floor in exp.phenomenon.items():
@@ -119,27 +193,43 @@ def phenomenon_page(exp: Experiment, results: Path) -> str:
         lines = []
         for c in exp.comparisons:
             arms = (c["candidate"], c["baseline"])
-            values = {a: [r[key] for r in rows if r["arm"] == a and math.isfinite(r[key])] for a in arms}
-            h = heading_for(values, float(floor), len(exp.seeds), exp.confidence)
+            values = {a: {(r["stage"], r["seed"]): r[key] for r in rows if r["arm"] == a} for a in arms}
+            values = {a: {k[1]: v for k, v in by.items() if math.isfinite(v)} for a, by in values.items()}
+            reported = {
+                a: {r["seed"]: r[key] for r in rows if r["arm"] == a and r["stage"] == REPORTED} for a in arms
+            }
+            planned = {a: exp.arm_seeds(a) for a in arms}
+            h = heading_for(values, reported, planned, float(floor), exp.confidence)
             lines.append(
                 [
                     c["name"],
-                    " + ".join(f"{a} ({len(v)} runs)" for a, v in values.items()),
-                    f"{h['mean']:.3f} [{h['lo']:.3f}, {h['hi']:.3f}]",
+                    " + ".join(f"{a} ({len(values[a])} runs, {len(planned[a])} planned)" for a in arms),
+                    f"{h['now']:.3f} ({sum(map(len, reported.values()))} runs)"
+                    if math.isfinite(h["now"])
+                    else "no run yet",
+                    f"{h['mean']:.3f} [{h['lo']:.3f}, {h['hi']:.3f}]" if math.isfinite(h["mean"]) else "—",
                     f"{float(floor):g}",
                     f"**{h['reads']}**",
-                    f"{h['chance']:.0%}" if math.isfinite(h["chance"]) else "—",
+                    _chance(h["chance"]),
                 ]
             )
         parts.append(
-            f"Where each comparison's reported runs head for (every run at the picks, every stage): the mean "
-            f"of its two arms' means with a {exp.confidence:.0%} normal interval from their standard errors, "
-            "which is what the reported runs read once both arms have the same number of runs and the runs "
-            f"to come are like these; and the chance that the plan's {len(exp.seeds)} seeds end at or above "
-            "the floor (normal: today's estimate, flat prior, plus the spread of a mean over the planned "
-            "runs):\n\n"
+            "Each comparison: what its rule reads on the reported runs so far; where it heads once every "
+            "planned run is in (each arm's runs estimated by the mean of all its runs above, weighted by "
+            f"its planned runs, with a {exp.confidence:.0%} t interval that counts the seeds the arms "
+            "share); and the chance that the finished plan reads at least the floor (normal: the reported "
+            "runs so far as they are, the runs to come varying as these did around a mean known to its "
+            "standard error, flat prior):\n\n"
             + markdown_table(
-                ["comparison", "runs", f"{key}, heading for", "floor", "reads", "chance it ends ≥ floor"],
+                [
+                    "comparison",
+                    "runs",
+                    f"{key}, reported runs so far",
+                    "heading for",
+                    "floor",
+                    "reads",
+                    "chance it ends ≥ floor",
+                ],
                 lines,
                 aligned=False,
             )

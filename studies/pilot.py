@@ -398,6 +398,8 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
         problems.append(
             f"the pilot has not run (or not every arm): `python -m studies compare {exp.name} --pilot`"
         )
+    if not ok and not problems:  # a gate row still pending, whatever it is, keeps the reported runs waiting
+        problems.append("the pilot's gate has not passed: a row is still pending (see its page)")
     for arm, lr in picks.items():
         own = (exp.arms[arm] or {}).get("learning_rate")
         if own is None or float(own) != float(lr):

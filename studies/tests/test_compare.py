@@ -710,6 +710,15 @@ def test_the_pilot_gate_can_ask_for_the_phenomenon_over_whole_runs_at_the_picks(
     )
     with pytest.raises(ValueError, match="gate phenomenon needs"):
         load_experiment(str(bad))
+    unpiloted = tmp_path / "unpiloted.yaml"  # an arm without pilot runs would keep the row pending for good
+    unpiloted.write_text(
+        "recipe: demo\nseeds: [0]\narms: {a: {}, b: {pilot_learning_rates: []}}\n"
+        "comparisons: [{name: c, kind: better, candidate: a, baseline: b, budgets: [10]}]\n"
+        "phenomenon: {length_cv_run: 0.3}\n"
+        "pilot: {seed: 9, learning_rates: [1e-4], gate: {heldout_gain: 0.05, phenomenon: true}}\n"
+    )
+    with pytest.raises(ValueError, match="b has none"):
+        load_experiment(str(unpiloted))
 
 
 def test_the_pilot_grids_average_every_pilot_seed_and_say_which_are_still_to_run(tmp_path) -> None:

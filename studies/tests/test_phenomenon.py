@@ -14,22 +14,41 @@ from studies.phenomenon import heading_for, phenomenon_page, stages
 from studies.runs import record_path
 
 
-def test_heading_for_is_the_mean_of_the_arms_means_with_their_standard_errors():
-    a, b = [0.20, 0.30, 0.25], [0.40, 0.35, 0.30]
-    h = heading_for({"a": a, "b": b}, floor=0.3, planned=50)
-    se = math.sqrt(statistics.variance(a) / 3 + statistics.variance(b) / 3) / 2
+def test_heading_for_weighs_each_arm_by_its_planned_runs_with_a_t_interval():
+    # no shared seed: var of the heading = 1/4 (0.0025 / 3 + 0.0025 / 3); t(0.975, 2) = 4.302653
+    a, b = {1: 0.20, 2: 0.30, 3: 0.25}, {4: 0.40, 5: 0.35, 6: 0.30}
+    h = heading_for({"a": a, "b": b}, {}, {"a": [10, 11], "b": [10, 11]}, floor=0.3)
     assert h["mean"] == pytest.approx(0.30)
-    assert h["lo"] == pytest.approx(0.30 - 1.959964 * se, abs=1e-6)
-    assert h["hi"] == pytest.approx(0.30 + 1.959964 * se, abs=1e-6)
+    assert h["hi"] - h["mean"] == pytest.approx(4.302653 * 0.0204124, rel=1e-5)
     assert h["reads"] == "either side of the floor" and h["chance"] == pytest.approx(0.5)
-    low = heading_for({"a": [0.10, 0.12], "b": [0.11, 0.13]}, floor=0.3, planned=50)
+    assert math.isnan(h["now"])  # no reported run yet
+    # the same seeds, perfectly correlated: cov of the means 0.1 * 0.1 * 3 / 9; se = sqrt(0.01 / 3)
+    a, b = {1: 0.2, 2: 0.3, 3: 0.4}, {1: 0.3, 2: 0.4, 3: 0.5}
+    h = heading_for({"a": a, "b": b}, {}, {"a": [10], "b": [10]}, floor=0.3)
+    assert h["hi"] - h["mean"] == pytest.approx(4.302653 * 0.0577350, rel=1e-5)
+    low = heading_for({"a": {1: 0.10, 2: 0.12}, "b": {1: 0.11, 2: 0.13}}, {}, {"a": [0], "b": [0]}, 0.3)
     assert low["reads"] == "below the floor" and low["chance"] < 1e-6
-    high = heading_for({"a": [0.50, 0.52], "b": [0.51, 0.53]}, floor=0.3, planned=50)
-    assert high["reads"] == "above the floor" and high["chance"] > 1 - 1e-6
-    # the chance widens with the planned runs' own spread: fewer planned runs, a wider predictive spread
-    near = {"a": [0.26, 0.30, 0.28], "b": [0.27, 0.31, 0.29]}
-    assert heading_for(near, 0.3, planned=3)["chance"] > heading_for(near, 0.3, planned=300)["chance"]
-    assert heading_for({"a": [0.3], "b": [0.3, 0.4]}, 0.3, planned=5)["reads"] == "too few runs"
+    assert heading_for({"a": {1: 0.3}, "b": {1: 0.3, 2: 0.4}}, {}, {"a": [0], "b": [0]}, 0.3)["reads"] == (
+        "too few runs"
+    )
+
+
+def test_a_finished_plan_reads_what_the_rule_reads_whatever_the_seed_counts():
+    """smollm2's shape: 8 planned runs of one arm, 3 of the other, all done: the chance is 0 or 1 and `now`
+    is the rule's mean over every run of both arms, (8 x 0.35 + 3 x 0.29) / 11, not the mean of means."""
+    a = dict(zip(range(8), [0.33, 0.37] * 4, strict=True))
+    b = {0: 0.28, 1: 0.29, 2: 0.30}
+    h = heading_for({"a": a, "b": b}, {"a": a, "b": b}, {"a": list(range(8)), "b": [0, 1, 2]}, floor=0.3)
+    assert h["now"] == pytest.approx((8 * 0.35 + 3 * 0.29) / 11)
+    assert h["mean"] == pytest.approx((8 * 0.35 + 3 * 0.29) / 11)  # the weights are the planned runs
+    assert h["chance"] == 1.0
+    h = heading_for({"a": a, "b": b}, {"a": a, "b": b}, {"a": list(range(8)), "b": [0, 1, 2]}, floor=0.34)
+    assert h["chance"] == 0.0
+    # one run still to come: the chance is no longer 0 or 1, and fewer runs to come leave it nearer
+    part = {k: v for k, v in a.items() if k != 7}
+    one = heading_for({"a": a, "b": b}, {"a": part, "b": b}, {"a": list(range(8)), "b": [0, 1, 2]}, 0.34)
+    none = heading_for({"a": a, "b": b}, {}, {"a": list(range(8)), "b": [0, 1, 2]}, 0.34)
+    assert 0.0 < one["chance"] < none["chance"] < 0.5
 
 
 def _record(run, cv: float, heldout: float) -> dict:
@@ -76,7 +95,16 @@ def test_the_page_reads_each_stage_at_the_arms_rates_and_no_reward(tmp_path, mon
     assert "| 0.220 [" in otb and "(SD 0.014, n=2)" in otb  # first stage: 0.21, 0.23
     assert "| 0.250 (n=1) | 0.270 (n=1) |" in otb  # variance seed 11, reported seed 0
     assert f"{statistics.fmean([0.21, 0.23, 0.25, 0.27]):.3f} [" in otb.split("|")[-2]
-    h = heading_for({"otb": [0.21, 0.23, 0.25, 0.27], "grpo": [0.31, 0.33, 0.35, 0.37]}, 0.3, planned=2)
     row = next(line for line in page.splitlines() if line.startswith("| c |"))
-    assert f"{h['mean']:.3f} [{h['lo']:.3f}, {h['hi']:.3f}]" in row and "otb (4 runs) + grpo (4 runs)" in row
+    assert "otb (4 runs, 2 planned) + grpo (4 runs, 2 planned)" in row
+    assert "| 0.320 (2 runs) |" in row  # the rule on the reported runs so far: seed 0's 0.27 and 0.37
+    values = {a: dict(zip((9, 10, 11, 0), cvs[a].values(), strict=True)) for a in cvs}
+    h = heading_for(values, {"otb": {0: 0.27}, "grpo": {0: 0.37}}, {"otb": [0, 1], "grpo": [0, 1]}, 0.3)
+    assert f"{h['mean']:.3f} [{h['lo']:.3f}, {h['hi']:.3f}]" in row
+    assert "ran the reported runs' setting" in page
     assert "0.777" not in page and "0.9" not in page
+
+    # without a pilot: the reported runs alone, and the page says so
+    alone = Experiment(**{**exp.__dict__, "name": "t", "pilot": None})
+    page = phenomenon_page(alone, results)
+    assert "has no pilot" in page and "pilot, first stage" not in page and "| 0.270 (n=1) |" in page
