@@ -252,11 +252,13 @@ def cost_table(result: dict[str, Any]) -> str:
 
 
 def machine_splits(result: dict[str, Any]) -> list[str]:
-    """The seeds whose arms' records name more than one machine, each with the machines, arm by arm."""
+    """The seeds whose arms' records name more than one kind of machine (`machine_kind`, as same_machine
+    compares them: not the core count, but the CPU's bf16 and the library versions), each with the
+    machines, arm by arm."""
     by_seed: dict[int, dict[str, str]] = {}
     for arm, runs in result["runs"].items():
         for r in runs:
-            by_seed.setdefault(r["seed"], {})[arm] = r.get("where", "not recorded")
+            by_seed.setdefault(r["seed"], {})[arm] = r.get("machine", "not recorded")
     return [
         f"seed {seed}: " + ", ".join(f"{arm} on {where}" for arm, where in arms.items())
         for seed, arms in sorted(by_seed.items())

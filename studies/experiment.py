@@ -107,7 +107,8 @@ class Experiment:
     # claims.md (smollm2c: the N=32 comparison, out of reach here)
     dropped: dict[str, str] = field(default_factory=dict)
     # the phenomenon the claims are about, as it must show in the compared runs, e.g. {length_cv_run: 0.3}
-    # (the within-group length CV averaged over every step of every run); a verdict needs it
+    # (each run's mean of the within-group length CV over its steps, averaged over the compared arms' runs:
+    # `outcomes.phenomenon_missing`; runs of unequal step counts weigh alike); a verdict needs it
     phenomenon: dict[str, float] = field(default_factory=dict)
     # whole seeds on one kind of machine (issue 34): an arm of a seed trains only where the seed's other
     # arms did (device, CPU's native bf16, architecture, torch/transformers/trl), so every pair starts from

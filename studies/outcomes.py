@@ -35,7 +35,16 @@ from otbrl.app.plots import MARKERS, STYLES, pyplot, save
 from studies.experiment import Experiment, arm_names
 from studies.inference import NOT_TESTED, Interval, combine, discriminating, paired, t_interval, verdict
 from studies.pages import markdown_table, read_record
-from studies.runs import Run, attempt_span, environment_label, has_record, record_path, wall_seconds
+from studies.runs import (
+    Run,
+    attempt_span,
+    environment_label,
+    has_record,
+    kind_labels,
+    machine_kind,
+    record_path,
+    wall_seconds,
+)
 
 SURGE_SMOOTH, SURGE_HISTORY = 5, 20
 
@@ -230,7 +239,8 @@ def by_where(
     trained in one place: a check that the machines do not tell the arms apart, never a verdict.
     [{"candidate": where, "baseline": where, "seeds": n, "mean": difference}]; [] when every run of both
     arms ran in one place."""
-    where = {(i, r["seed"]): r.get("where", "not recorded") for i, rs in enumerate((cand, base)) for r in rs}
+    sides = enumerate((cand, base))
+    where = {(i, r["seed"]): r.get("machine", "not recorded") for i, rs in sides for r in rs}
     if len(set(where.values())) < 2:
         return []
     groups: dict[tuple[str, str], list[float]] = {}
@@ -282,7 +292,7 @@ def compare_arms(
         overall = discriminating(overall, {c["arm"]: c["verdict"] for c in controls})
     # A verdict read before every planned seed has run is a look at the data, not the result: said so.
     both = (spec["candidate"], spec["baseline"])  # --quick may drop an arm: then nothing was planned
-    planned = min(len(exp.arm_seeds(a)) if a in exp.arms else 0 for a in both)
+    planned = len(set.intersection(*(set(exp.arm_seeds(a)) if a in exp.arms else set() for a in both)))
     paired_seeds = max((h["interval"].n for h in heldout), default=0)
     interim = f"interim: {paired_seeds} of {planned} planned seeds" if paired_seeds < planned else ""
     return {
@@ -380,6 +390,7 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
     stamps: dict[str, int] = {}
     where: dict[str, int] = {}
     started: list[str] = []
+    envs: list[dict[str, Any] | None] = []
     for run in runs:
         batch = int(run.overrides.get("per_device_train_batch_size", 1))
         if has_record(run, records):
@@ -389,22 +400,30 @@ def analyse(exp: Experiment, runs: list[Run], records: Path | None = None) -> di
             stamps[key] = stamps.get(key, 0) + 1
             started += [rec["started"]] if rec.get("started") else []
             env = environment_label(rec.get("environment"))
-            wall, span = wall_seconds(rec), attempt_span(rec)
+            wall, span, environment = wall_seconds(rec), attempt_span(rec), rec.get("environment")
         elif (run.dir / "summary.json").is_file():
             rows = read_metrics(run.dir / "metrics.jsonl")
             summary = json.loads((run.dir / "summary.json").read_text())
             stamps["unstamped"] = stamps.get("unstamped", 0) + 1
-            env, wall, span = "not recorded", math.nan, None
+            env, wall, span, environment = "not recorded", math.nan, None, None
         else:
             continue
         where[env] = where.get(env, 0) + 1
         result = analyse_rows(rows, summary, exp, run.seed, batch)
         result["where"], result["wall_seconds"], result["span"] = env, wall, span
+        envs.append(environment)
+        result["kind"] = machine_kind(environment)
         n = run.overrides.get("num_generations")
         result["prompts_per_step"] = (
             batch // int(n) if n and "per_device_train_batch_size" in run.overrides else None
         )
         per_arm.setdefault(run.arm, []).append(result)
+    # the kind of machine (`machine_kind`, what same_machine compares), named once a kind: the checks
+    # that pairs trained in one place group by it, not by the label (which also names the core count)
+    names = kind_labels(envs)
+    for results in per_arm.values():
+        for r in results:
+            r["machine"] = names[r["kind"]]
     return {
         "arms": {arm: _arm_stats(results) for arm, results in per_arm.items()},
         "runs": per_arm,
@@ -630,6 +649,16 @@ def plot_ladder_runs(
     save(fig, png, dpi=100, tight=False)
 
 
+def beside(value: float, floor: float, digits: int = 3) -> str:
+    """`value` to `digits` decimals, or to as many more as it takes to read on its own side of `floor`:
+    0.29961 against a floor of 0.3 reads 0.2996, not 0.300 beside a "not tested"."""
+    for d in range(digits, 10):
+        text = f"{value:.{d}f}"
+        if (float(text) < floor) == (value < floor):
+            return text
+    return repr(value)
+
+
 def phenomenon_missing(res: dict[str, Any], exp: Any, arms: tuple[str, ...]) -> tuple[str, str]:
     """(why the phenomenon the protocol requires, e.g. `phenomenon: {length_cv_run: 0.3}`, did not show
     in the compared arms' runs, or "" when it did or none is required; the per-arm means in words). The
@@ -646,10 +675,10 @@ def phenomenon_missing(res: dict[str, Any], exp: Any, arms: tuple[str, ...]) -> 
             continue
         mean = statistics.fmean(values)
         each = ", ".join(f"{a} {statistics.fmean(v):.3f}" for a, v in per_arm.items() if v)
-        shown.append(f"{key} (floor {float(floor):g}): {each}; over both arms' runs {mean:.3f}")
+        shown.append(f"{key} (floor {float(floor):g}): {each}; over both arms' runs {beside(mean, floor)}")
         if mean < float(floor):
             out.append(
-                f"{key} {mean:.2f} < {float(floor):g} over the compared arms' runs "
+                f"{key} {beside(mean, floor)} < {float(floor):g} over the compared arms' runs "
                 "(the phenomenon did not show)"
             )
     return "; ".join(out), "; ".join(shown)

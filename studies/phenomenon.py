@@ -16,7 +16,7 @@ from typing import Any
 
 from studies.experiment import PILOT_KEYS, Experiment, load_experiment, pilot_plan, plan, variance_plan
 from studies.inference import scipy_stats, t_interval
-from studies.outcomes import analyse_rows
+from studies.outcomes import analyse_rows, beside
 from studies.pages import markdown_table
 from studies.pilot import run_data
 from studies.runs import Run, has_record
@@ -196,7 +196,12 @@ def phenomenon_page(exp: Experiment, results: Path) -> str:
             values = {a: {(r["stage"], r["seed"]): r[key] for r in rows if r["arm"] == a} for a in arms}
             values = {a: {k[1]: v for k, v in by.items() if math.isfinite(v)} for a, by in values.items()}
             reported = {
-                a: {r["seed"]: r[key] for r in rows if r["arm"] == a and r["stage"] == REPORTED} for a in arms
+                a: {
+                    r["seed"]: r[key]
+                    for r in rows
+                    if r["arm"] == a and r["stage"] == REPORTED and math.isfinite(r[key])
+                }
+                for a in arms
             }
             planned = {a: exp.arm_seeds(a) for a in arms}
             h = heading_for(values, reported, planned, float(floor), exp.confidence)
@@ -204,7 +209,7 @@ def phenomenon_page(exp: Experiment, results: Path) -> str:
                 [
                     c["name"],
                     " + ".join(f"{a} ({len(values[a])} runs, {len(planned[a])} planned)" for a in arms),
-                    f"{h['now']:.3f} ({sum(map(len, reported.values()))} runs)"
+                    f"{beside(h['now'], floor)} ({sum(map(len, reported.values()))} runs)"
                     if math.isfinite(h["now"])
                     else "no run yet",
                     f"{h['mean']:.3f} [{h['lo']:.3f}, {h['hi']:.3f}]" if math.isfinite(h["mean"]) else "—",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,8 @@ from studies.pages import kilo, markdown_table, read_record
 from studies.plots import plot_pilot
 from studies.runs import (
     Run,
-    environment_label,
     has_record,
+    kind_labels,
     machine_kind,
     record_path,
     registration,
@@ -420,17 +419,6 @@ def gate_problems(exp: Experiment, results: Path) -> list[str]:
                 + f"; the YAML's power section says {have}"
             )
     return problems
-
-
-def kind_labels(envs: Iterable[dict[str, Any] | None]) -> dict[tuple | None, str]:
-    """One label a kind of machine (`machine_kind`), for every kind among `envs`: a label that names the
-    CPU wins, because early records of a kind may not name the CPU that later ones name."""
-    labels: dict[tuple | None, str] = {}
-    for env in envs:
-        kind = machine_kind(env)
-        if kind not in labels or (env and env.get("cpu_name")):
-            labels[kind] = environment_label(env)
-    return labels
 
 
 def machines_text(exp: Experiment, runs: list[Run], records: Path | None) -> str:

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,6 +302,29 @@ def machine_kind(env: dict[str, Any] | None) -> tuple | None:
     if not env:
         return None
     return tuple(json.dumps(env.get(k), sort_keys=True) for k in MACHINE_KEYS)
+
+
+def kind_labels(envs: Iterable[dict[str, Any] | None]) -> dict[tuple | None, str]:
+    """One label a kind of machine (`machine_kind`), for every kind among `envs`: a label that names the
+    CPU wins, because early records of a kind may not name the CPU that later ones name. Kinds whose
+    labels would read alike (they differ only in a key the label leaves out, e.g. transformers) get the
+    keys that tell them apart, so a page never shows two kinds as one."""
+    labels: dict[tuple | None, str] = {}
+    envs = list(envs)
+    for env in envs:
+        kind = machine_kind(env)
+        if kind not in labels or (env and env.get("cpu_name")):
+            labels[kind] = environment_label(env)
+    alike: dict[str, list[tuple]] = {}
+    for kind, label in labels.items():
+        if kind is not None:
+            alike.setdefault(label, []).append(kind)
+    for label, kinds in alike.items():
+        if len(kinds) > 1:
+            differ = [i for i in range(len(MACHINE_KEYS)) if len({k[i] for k in kinds}) > 1]
+            for kind in kinds:
+                labels[kind] = label + " (" + ", ".join(f"{MACHINE_KEYS[i]} {kind[i]}" for i in differ) + ")"
+    return labels
 
 
 STEP0_SCORES = "step0-scores"  # a folder beside the records: one file per kind of machine

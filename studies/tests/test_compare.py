@@ -747,12 +747,53 @@ def test_the_pilot_grids_average_every_pilot_seed_and_say_which_are_still_to_run
 
 def test_machine_splits_name_each_seed_whose_arms_trained_apart() -> None:
     def r(seed: int, where: str) -> dict:
-        return {"seed": seed, "where": where}
+        return {"seed": seed, "machine": where}
 
     result = {"runs": {"otb-N4": [r(0, "cpu X"), r(1, "cpu X")], "grpo-N4": [r(0, "cpu X"), r(1, "gpu Y")]}}
     assert machine_splits(result) == ["seed 1: otb-N4 on cpu X, grpo-N4 on gpu Y"]
-    result["runs"]["grpo-N4"][1]["where"] = "cpu X"
+    result["runs"]["grpo-N4"][1]["machine"] = "cpu X"
     assert machine_splits(result) == []
+
+
+def test_the_pages_machine_checks_read_the_kind_same_machine_enforces(tmp_path) -> None:
+    """The page's whole-seed check and its by-machine table group runs by `machine_kind`, the key that
+    same_machine refuses on: a seed's arms on two machines of one kind that differ only in core count
+    trained in one place; arms whose transformers differ did not, though their labels (device, CPUs,
+    torch) read alike, and the page names the key that tells them apart."""
+    from studies.compare_page import where_table
+    from studies.pages import write_record
+    from studies.runs import record_path
+
+    spec = {"name": "c", "kind": "better", "candidate": "a", "baseline": "b", "budgets": [200]}
+    exp = Experiment(
+        name="t", recipe="demo", arms={"a": {}, "b": {}}, seeds=[0, 1], smooth=1, comparisons=[spec]
+    )
+    one = {"device": "cpu", "cpus": 2, "machine": "x86_64", "torch": "2.13.0", "transformers": "5.23.0"}
+    records = tmp_path / "records"
+
+    def read(envs: dict) -> dict:
+        runs = []
+        for (arm, seed), env in envs.items():
+            run = _fake_run(
+                tmp_path / str(len(list(tmp_path.iterdir()))), arm, seed, [0.3] * 3, 100, {200: 0.3}
+            )
+            rows = read_metrics(run.dir / "metrics.jsonl")
+            write_record(
+                record_path(records, arm, seed),
+                {"overrides": run.overrides, "metrics": rows, "summary": {}, "environment": env},
+            )
+            runs.append(run)
+        return analyse(exp, runs, records)
+
+    cores = read({("a", 0): one, ("b", 0): {**one, "cpus": 4}, ("a", 1): one, ("b", 1): one})
+    assert machine_splits(cores) == []
+    assert cores["comparisons"][0]["heldout"][0]["by_where"] == []  # one kind: no by-machine table
+    versions = read({("a", 0): one, ("b", 0): {**one, "transformers": "5.9.0"}, ("a", 1): one, ("b", 1): one})
+    (split,) = machine_splits(versions)
+    assert split.startswith("seed 0: a on cpu, 2 CPUs, torch 2.13.0 (transformers")
+    assert '"5.9.0"' in split and '"5.23.0"' in split
+    assert versions["comparisons"][0]["heldout"][0]["by_where"] != []
+    assert "5.9.0" in where_table(versions)
 
 
 def test_the_pilots_first_stage_may_span_machines_only_where_the_protocol_says(tmp_path, monkeypatch) -> None:

@@ -1095,8 +1095,7 @@ def test_a_kind_of_machine_is_named_by_the_label_that_names_its_cpu_whatever_the
     """Early records of a kind may not name the CPU that later ones name: both pilot lines (where runs
     trained, what the reported runs cost) name the kind by the CPU, in either order; an unrecorded
     environment is its own kind."""
-    from studies.pilot import kind_labels
-    from studies.runs import machine_kind
+    from studies.runs import kind_labels, machine_kind
 
     early = {"device": "cpu", "cpus": 2, "torch": "2.13.0", "machine": "x86_64"}
     later = {**early, "cpu_name": "CPU-A"}
@@ -1211,3 +1210,53 @@ def test_the_pages_rebuilt_after_a_record_are_what_a_rebuild_from_the_records_wr
     for name in ("walk3.md", "walk3.json", "claims.md"):
         assert (results / name).read_bytes() == (committed / name).read_bytes(), name
     assert rebuild_pages("no-such-experiment", results, False)() == []  # said, and the record still lands
+
+
+def test_a_comparison_of_arms_that_plan_different_seeds_ends_when_their_shared_seeds_have_run() -> None:
+    """`planned` is the seeds both arms plan (the only seeds a pair can have): with every one of them run,
+    the comparison is read, not left "interim" for good (min of the two counts said 2 of 4)."""
+    from studies.outcomes import compare_arms
+
+    spec = {
+        "name": "c",
+        "kind": "better",
+        "candidate": "a",
+        "baseline": "b",
+        "budgets": [400],
+        "primary": 400,
+    }
+    arms = {"a": {"seeds": [0, 1, 2, 3]}, "b": {"seeds": [2, 3, 4, 5]}}
+    exp = Experiment(name="t", recipe="demo", arms=arms, smooth=1, seeds=list(range(6)), comparisons=[spec])
+    per_arm: dict = {}
+    for arm, spec_arm in arms.items():
+        for seed in spec_arm["seeds"]:
+            rows = _rows([0.3] * 5, heldout={400: (0.5 if arm == "a" else 0.3) + 0.01 * seed})
+            per_arm.setdefault(arm, []).append(analyse_rows(rows, {}, exp, seed))
+    c = compare_arms(exp, spec, per_arm)
+    assert c["heldout"][0]["interval"].n == 2 and c["interim"] == ""
+    per_arm["b"] = [r for r in per_arm["b"] if r["seed"] != 3]
+    assert compare_arms(exp, spec, per_arm)["interim"] == "interim: 1 of 2 planned seeds"
+
+
+def test_the_phenomenon_reads_on_its_own_side_of_the_floor() -> None:
+    """A mean just under the floor is never printed as the floor beside "not tested" (0.2996 read 0.300 and
+    "0.30 < 0.3"), and a mean at or above it never prints below it."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from studies.outcomes import beside, phenomenon_missing
+
+    exp = Experiment(name="t", recipe="demo", arms={"a": {}, "b": {}}, seeds=[0], phenomenon={"cv": 0.3})
+    res = {"arms": {"a": {"cv": [0.2996, 0.2996]}, "b": {"cv": [0.2996]}}}
+    why, shown = phenomenon_missing(res, exp, ("a", "b"))
+    assert why == "cv 0.2996 < 0.3 over the compared arms' runs (the phenomenon did not show)"
+    assert shown == "cv (floor 0.3): a 0.300, b 0.300; over both arms' runs 0.2996"
+    res = {"arms": {"a": {"cv": [0.3004]}, "b": {"cv": [0.3, float("nan")]}}}
+    assert phenomenon_missing(res, exp, ("a", "b"))[0] == ""
+    assert beside(0.31234, 0.3) == "0.312" and beside(0.3, 0.3) == "0.300"
+
+    @given(st.floats(0, 1), st.sampled_from([0.3, 0.25, 0.5, 1.0]))
+    def same_side(value: float, floor: float) -> None:
+        assert (float(beside(value, floor)) < floor) == (value < floor)
+
+    same_side()
