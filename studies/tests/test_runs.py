@@ -161,18 +161,22 @@ def test_primary_endpoint_alone_decides_and_secondaries_cannot_veto(tmp_path) ->
     assert compare_arms(exp, comparisons[0], per_arm)["verdict"] == "inconclusive"
 
 
+# one "better" comparison of arm a against arm b, read at 400 tokens
+A_BETTER_THAN_B = {
+    "name": "c",
+    "kind": "better",
+    "candidate": "a",
+    "baseline": "b",
+    "budgets": [400],
+    "primary": 400,
+}
+
+
 def test_a_verdict_before_every_planned_seed_has_run_says_it_is_interim() -> None:
     from studies.compare_page import comparisons_table
     from studies.outcomes import compare_arms
 
-    spec = {
-        "name": "c",
-        "kind": "better",
-        "candidate": "a",
-        "baseline": "b",
-        "budgets": [400],
-        "primary": 400,
-    }
+    spec = dict(A_BETTER_THAN_B)
     exp = Experiment(
         name="t",
         recipe="demo",
@@ -1217,14 +1221,7 @@ def test_a_comparison_of_arms_that_plan_different_seeds_ends_when_their_shared_s
     the comparison is read, not left "interim" for good (min of the two counts said 2 of 4)."""
     from studies.outcomes import compare_arms
 
-    spec = {
-        "name": "c",
-        "kind": "better",
-        "candidate": "a",
-        "baseline": "b",
-        "budgets": [400],
-        "primary": 400,
-    }
+    spec = dict(A_BETTER_THAN_B)
     arms = {"a": {"seeds": [0, 1, 2, 3]}, "b": {"seeds": [2, 3, 4, 5]}}
     exp = Experiment(name="t", recipe="demo", arms=arms, smooth=1, seeds=list(range(6)), comparisons=[spec])
     per_arm: dict = {}
