@@ -54,9 +54,32 @@ def run_values(exp: Experiment, results: Path) -> list[dict[str, Any]]:
             result = analyse_rows(*data, exp)
             arm = run.arm.rpartition("@")[0] or run.arm
             rows.append(
-                {"stage": stage, "arm": arm, "seed": run.seed, **{k: result[k] for k in exp.phenomenon}}
+                {
+                    "stage": stage,
+                    "arm": arm,
+                    "seed": run.seed,
+                    **{k: result[k] for k in exp.phenomenon},
+                    **{f"{k} steps": step_values(data[0], k) for k in exp.phenomenon},
+                }
             )
     return rows
+
+
+def step_values(metrics: list[dict[str, Any]], key: str) -> list[float]:
+    """The per-step values behind a run-level key (`length_cv_run`: each step's `otb/horizon/length_cv`),
+    over the steps `analyse_rows` reads; [] for a key that is not a mean over steps."""
+    if not key.endswith("_run"):
+        return []
+    name = f"otb/horizon/{key.removesuffix('_run')}"
+    return [r[name] for r in metrics if "reward" in r and r.get(name) is not None and math.isfinite(r[name])]
+
+
+def pooled_over_steps(rows: list[dict[str, Any]], key: str) -> float:
+    """The mean over every step of the runs in `rows`, each step weighing alike (so a run with more steps
+    weighs more): the other reading of "averaged over every step of every compared run", beside the rule's
+    mean of run means. NaN without steps."""
+    values = [v for r in rows for v in r.get(f"{key} steps", [])]
+    return statistics.fmean(values) if values else math.nan
 
 
 def _cell(values: list[float]) -> str:
@@ -204,6 +227,12 @@ def phenomenon_page(exp: Experiment, results: Path) -> str:
                 for a in arms
             }
             planned = {a: exp.arm_seeds(a) for a in arms}
+            done = [
+                r
+                for r in rows
+                if r["arm"] in arms and r["stage"] == REPORTED and r["seed"] in reported[r["arm"]]
+            ]
+            pooled = pooled_over_steps(done, key)
             h = heading_for(values, reported, planned, float(floor), exp.confidence)
             lines.append(
                 [
@@ -212,6 +241,7 @@ def phenomenon_page(exp: Experiment, results: Path) -> str:
                     f"{beside(h['now'], floor)} ({sum(map(len, reported.values()))} runs)"
                     if math.isfinite(h["now"])
                     else "no run yet",
+                    beside(pooled, floor) if math.isfinite(pooled) else "—",
                     f"{h['mean']:.3f} [{h['lo']:.3f}, {h['hi']:.3f}]" if math.isfinite(h["mean"]) else "—",
                     f"{float(floor):g}",
                     f"**{h['reads']}**",
@@ -219,9 +249,11 @@ def phenomenon_page(exp: Experiment, results: Path) -> str:
                 ]
             )
         parts.append(
-            "Each comparison: what its rule reads on the reported runs so far; where it heads once every "
-            "planned run is in (each arm's runs estimated by the mean of all its runs above, weighted by "
-            f"its planned runs, with a {exp.confidence:.0%} t interval that counts the seeds the arms "
+            "Each comparison: what its rule reads on the reported runs so far; the same runs' steps pooled "
+            '(every step weighs alike, so a run of more steps weighs more: a reading of "averaged over every '
+            'step of every run" that is not the rule, shown because the two differ); where it heads once '
+            "every planned run is in (each arm's runs estimated by the mean of all its runs above, weighted "
+            f"by its planned runs, with a {exp.confidence:.0%} t interval that counts the seeds the arms "
             "share); and the chance that the finished plan reads at least the floor (normal: the reported "
             "runs so far as they are, the runs to come varying as these did around a mean known to its "
             "standard error, flat prior):\n\n"
@@ -230,6 +262,7 @@ def phenomenon_page(exp: Experiment, results: Path) -> str:
                     "comparison",
                     "runs",
                     f"{key}, reported runs so far",
+                    "pooled over their steps (not the rule)",
                     "heading for",
                     "floor",
                     "reads",

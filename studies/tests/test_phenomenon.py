@@ -97,7 +97,8 @@ def test_the_page_reads_each_stage_at_the_arms_rates_and_no_reward(tmp_path, mon
     assert f"{statistics.fmean([0.21, 0.23, 0.25, 0.27]):.3f} [" in otb.split("|")[-2]
     row = next(line for line in page.splitlines() if line.startswith("| c |"))
     assert "otb (4 runs, 2 planned) + grpo (4 runs, 2 planned)" in row
-    assert "| 0.320 (2 runs) |" in row  # the rule on the reported runs so far: seed 0's 0.27 and 0.37
+    assert "| 0.320 (2 runs) | 0.320 |" in row  # the rule on the reported runs so far: seed 0's 0.27 and 0.37
+    # (and their 4 steps pooled, equal step counts: the same)
     values = {a: dict(zip((9, 10, 11, 0), cvs[a].values(), strict=True)) for a in cvs}
     h = heading_for(values, {"otb": {0: 0.27}, "grpo": {0: 0.37}}, {"otb": [0, 1], "grpo": [0, 1]}, 0.3)
     assert f"{h['mean']:.3f} [{h['lo']:.3f}, {h['hi']:.3f}]" in row
@@ -108,3 +109,20 @@ def test_the_page_reads_each_stage_at_the_arms_rates_and_no_reward(tmp_path, mon
     alone = Experiment(**{**exp.__dict__, "name": "t", "pilot": None})
     page = phenomenon_page(alone, results)
     assert "has no pilot" in page and "pilot, first stage" not in page and "| 0.270 (n=1) |" in page
+
+
+def test_the_steps_pooled_weigh_a_longer_run_more_than_the_rules_mean_of_run_means():
+    """The column beside the rule: every step of the runs weighs alike. A run of 3 steps at 0.2 and one
+    of 1 step at 0.4 read 0.3 by the rule (mean of run means) and 0.25 pooled over their steps."""
+    from studies.phenomenon import pooled_over_steps, step_values
+
+    def rows(values):
+        return [{"step": i, "reward": 0.5, "otb/horizon/length_cv": v} for i, v in enumerate(values)]
+
+    long, short = rows([0.2, 0.2, 0.2]), rows([0.4])
+    short.append({"step": 9, "otb/horizon/length_cv": 0.9})  # no reward: a step analyse_rows skips
+    short.append({"step": 10, "reward": 0.5, "otb/horizon/length_cv": float("nan")})
+    runs = [{"length_cv_run steps": step_values(m, "length_cv_run")} for m in (long, short)]
+    assert runs[1]["length_cv_run steps"] == [0.4]
+    assert pooled_over_steps(runs, "length_cv_run") == pytest.approx(0.25)
+    assert step_values(long, "energy_cv") == [] and math.isnan(pooled_over_steps([], "length_cv_run"))
