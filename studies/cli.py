@@ -146,6 +146,11 @@ def compare_command(args: argparse.Namespace, rest: list[str]) -> None:
             )
     except (ValueError, RuntimeError) as err:
         raise fail(str(err)) from None
+    if where["pages"] is not None:
+        # --commit: the pages go back to what the records' commits hold. The page just written tells this
+        # invocation's refusals and timing, which belong to this machine, not to the evidence; left in the
+        # main checkout it was a change waiting to be committed by mistake.
+        where["pages"]()
     print(f"\nwrote {page}" + ("" if args.pilot else " (+ .png, .json)"))
     if failures:
         raise SystemExit("studies compare: failed runs:\n" + "\n".join(failures))

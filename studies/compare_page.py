@@ -418,7 +418,7 @@ def report(
             if not split
             else "**violated**: " + "; ".join(split)
         )
-    failed = "\n".join(f"- {f}" for f in failures) or "none"
+    failed = "".join(f"\n- {f}" for f in failures) or " none"
     parts = [
         f"# Experiment `{exp.name}`\n\n{exp.description}",
         f"Regenerate: `{command}` (runs resume: finished ones are kept). Training time summed over the runs: "
@@ -478,7 +478,7 @@ def report(
         f"Events by run (steps):\n\n{events(result)}",
         check,
         definitions(exp),
-        f"Failed runs: {failed}",
+        f"Failed runs:{failed}",
         f"![{exp.name}]({png.name})",
     ]
     md.write_text("\n\n".join(parts) + "\n")

@@ -664,6 +664,53 @@ def commit_files(paths: list[Path], message: str, log: Callable[[str], Any] = pr
     return False
 
 
+def seed_ranges(seeds: Iterable[int]) -> str:
+    """[15, 16, 17, 20] -> "15-17,20": what `--seeds` reads (otbrl.app.cli.int_list), in its shortest form."""
+    spans: list[list[int]] = []
+    for s in sorted(set(seeds)):
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def seeds_run_here(records: Path | None, env: dict[str, Any] | None) -> set[int]:
+    """Seeds with a committed record trained on `env`'s kind of machine: their step-0 score is known here."""
+    kind = machine_kind(env)
+    found: set[int] = set()
+    for path in sorted(records.glob("*/seed*.json.gz")) if records is not None and records.is_dir() else []:
+        rec = read_record(path)
+        if machine_kind(rec.get("environment")) == kind:
+            found.add(int(rec["seed"]))
+    return found
+
+
+def late_line(
+    name: str, late: list[Run], expected: float, records: Path | None, env: dict[str, Any] | None, jobs: int
+) -> str:
+    """The line that says which runs --stop-at kept from starting (each arm's seeds, as ranges) and which
+    step-0 scores could fill the time left: those of the first `jobs` late seeds with no run recorded on
+    this kind of machine (a seed that has one has its score here already)."""
+    arms: dict[str, list[int]] = {}
+    for r in late:
+        arms.setdefault(r.arm, []).append(r.seed)
+    which = "; ".join(
+        f"{arm} seed{'s' if len(seeds) > 1 else ''} {seed_ranges(seeds)}" for arm, seeds in arms.items()
+    )
+    line = (
+        f"{len(late)} runs not started: at {expected / 60:.0f} min a run (the median here) they would end "
+        f"after the stop time ({which})"
+    )
+    todo = sorted({r.seed for r in late} - seeds_run_here(records, env))[: max(jobs, 1)]
+    if not todo:
+        return line + "; each of their seeds has its step-0 score on this kind of machine already"
+    step0 = f"python -m studies step0 {name.split()[0]}{' --pilot' if ' pilot' in name else ''}"
+    return (
+        line + f"; the next seeds' step-0 scores can fill the time left: {step0} --seeds {seed_ranges(todo)}"
+    )
+
+
 def next_run(pending: list[Run], in_flight: Counter[int]) -> Run:
     """The run to start next: the first pending one whose seed has no run in flight, else the first.
     A seed's arms share one step-0 held-out score (`otbrl.app.heldout_cache`); a second arm of a seed
@@ -842,12 +889,6 @@ def execute(
     if bar is not None:
         bar.close()
     if late:
-        seeds = ",".join(str(s) for s in sorted({r.seed for r in late}))
-        step0 = f"python -m studies step0 {name.split()[0]}{' --pilot' if ' pilot' in name else ''}"
-        failures.append(
-            f"{len(late)} runs not started: at {expected / 60:.0f} min a run (the median here) they would "
-            f"end after the stop time ({', '.join(f'{r.arm} seed {r.seed}' for r in late)}); the time "
-            f"left can compute their seeds' step-0 scores: {step0} --seeds {seeds}"
-        )
+        failures.append(late_line(name, late, expected, records, env, jobs))
         log(failures[-1])
     return refused + failures

@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from otbrl.app.cli import int_list
 from otbrl.app.metrics import write_metrics
 from studies import inference as power
 from studies import runs
@@ -695,14 +698,35 @@ def test_a_run_that_would_end_after_the_stop_time_is_not_started(tmp_path, monke
         "walk pilot", "walk", chosen[1:], jobs=1, log=lambda _: None, records=records, stop_at=soon
     )
     assert len(calls) == 1 and len(lines) == 1
-    assert "2 runs not started: at 60 min a run" in lines[0]
-    assert "python -m studies step0 walk --pilot --seeds " in lines[0]
+    assert lines[0].startswith("2 runs not started: at 60 min a run")
+    # seed 0 has a run recorded on this kind of machine, so its step-0 score is here: none to compute
+    assert "otb-N4 seed 0; grpo-N4 seed 0)" in lines[0] and "step0" not in lines[0]
+    assert lines[0].endswith("each of their seeds has its step-0 score on this kind of machine already")
+    fresh = [r for r in plan(load_experiment("walk"), tmp_path) if r.seed in (1, 2, 3)]
+    lines = runs.execute(
+        "walk pilot", "walk", fresh, jobs=2, log=lambda _: None, records=records, stop_at=soon
+    )
+    assert "otb-N4 seeds 1-3; grpo-N4 seeds 1-3" in lines[0]
+    # one seed a job, the first ones: what the time left can compute
+    assert lines[0].endswith("python -m studies step0 walk --pilot --seeds 1-2")
+    assert runs.execute("walk", "walk", fresh, jobs=1, log=lambda _: None, records=records, stop_at=soon)[
+        0
+    ].endswith("python -m studies step0 walk --seeds 1")
     later = time.time() + 7200
     assert (
         runs.execute("walk", "walk", chosen[1:], jobs=1, log=lambda _: None, records=records, stop_at=later)
         == []
     )
     assert len(calls) == 3
+
+
+@given(st.sets(st.integers(0, 200), max_size=40))
+def test_seed_ranges_is_what_seeds_reads_back(seeds) -> None:
+    """seed_ranges writes what `--seeds` parses back to the same seeds, with no two ranges that touch."""
+    text = runs.seed_ranges(seeds)
+    assert (int_list(text) if text else []) == sorted(seeds)
+    spans = [int_list(part) for part in text.split(",")] if text else []
+    assert all(later[0] > earlier[-1] + 1 for earlier, later in zip(spans, spans[1:], strict=False))
 
 
 def test_the_stop_time_rule_reads_the_records_that_land_while_it_runs(tmp_path, monkeypatch) -> None:
