@@ -517,12 +517,17 @@ def wall_seconds(record: dict[str, Any]) -> float:
 def expected_seconds(records: Path | None, env: dict[str, Any]) -> float | None:
     """What a run of this experiment takes here: the median wall time of its recorded runs trained on this
     kind of machine (None: none yet)."""
-    times = []
+    times = [wall for rec in records_here(records, env) if (wall := wall_seconds(rec)) == wall]
+    return statistics.median(times) if times else None
+
+
+def records_here(records: Path | None, env: dict[str, Any] | None) -> Iterable[dict[str, Any]]:
+    """The committed records in `records` (none if absent) trained on `env`'s kind of machine."""
+    kind = machine_kind(env)
     for path in sorted(records.glob("*/seed*.json.gz")) if records is not None and records.is_dir() else []:
         rec = read_record(path)
-        if machine_kind(rec.get("environment")) == machine_kind(env) and (wall := wall_seconds(rec)) == wall:
-            times.append(wall)
-    return statistics.median(times) if times else None
+        if machine_kind(rec.get("environment")) == kind:
+            yield rec
 
 
 def is_done(run: Run) -> bool:
@@ -677,13 +682,7 @@ def seed_ranges(seeds: Iterable[int]) -> str:
 
 def seeds_run_here(records: Path | None, env: dict[str, Any] | None) -> set[int]:
     """Seeds with a committed record trained on `env`'s kind of machine: their step-0 score is known here."""
-    kind = machine_kind(env)
-    found: set[int] = set()
-    for path in sorted(records.glob("*/seed*.json.gz")) if records is not None and records.is_dir() else []:
-        rec = read_record(path)
-        if machine_kind(rec.get("environment")) == kind:
-            found.add(int(rec["seed"]))
-    return found
+    return {int(rec["seed"]) for rec in records_here(records, env)}
 
 
 def late_line(
