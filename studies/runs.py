@@ -360,9 +360,12 @@ def seed_step0_cache(cache: Path, records: Path | None, env: dict[str, Any]) -> 
         return 0
     cache.mkdir(parents=True, exist_ok=True)
     added = 0
-    for key, score in _read_scores(step0_file(records, env)).get("scores", {}).items():
+    known = _read_scores(step0_file(records, env))
+    labels = known.get("seeds", {}) if isinstance(known.get("seeds"), dict) else {}
+    for key, score in known.get("scores", {}).items():
         if not (cache / f"{key}.json").is_file():
-            (cache / f"{key}.json").write_text(json.dumps({"score": float(score)}))
+            seed = {"seed": labels[key]} if key in labels else {}
+            (cache / f"{key}.json").write_text(json.dumps({"score": float(score), **seed}))
             added += 1
     return added
 
@@ -370,20 +373,26 @@ def seed_step0_cache(cache: Path, records: Path | None, env: dict[str, Any]) -> 
 def keep_step0_scores(cache: Path, records: Path, env: dict[str, Any]) -> bool:
     """Add the step-0 scores in the runs' cache folder (this checkout's, under runs/, computed here) to
     this kind of machine's file beside `records` (`step0_file`), for later checkouts of the experiment
-    (`seed_step0_cache`). The file is replaced whole (a kill leaves the old one). Returns whether it
-    changed."""
+    (`seed_step0_cache`), with the seed of each score whose entry names it (under "seeds": a label that
+    `late_line` reads; the key already hashes the seed). The file is replaced whole (a kill leaves the
+    old one). Returns whether it changed."""
     path = step0_file(records, env)
     known = _read_scores(path) or {"machine": {k: env.get(k) for k in (*MACHINE_KEYS, "cpu_capability")}}
     scores = dict(known.get("scores", {}))
+    seeds = dict(known["seeds"]) if isinstance(known.get("seeds"), dict) else {}
     for entry in sorted(cache.glob("*.json")) if cache.is_dir() else []:
         try:
-            scores[entry.stem] = float(json.loads(entry.read_text())["score"])
+            content = json.loads(entry.read_text())
+            scores[entry.stem] = float(content["score"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # torn by a killed run: its run computes it again
-    if scores and scores != known.get("scores"):
+        if isinstance(content.get("seed"), int):
+            seeds[entry.stem] = content["seed"]
+    if scores and (scores != known.get("scores") or seeds != known.get("seeds", {})):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**known, "scores": scores}, indent=1, sort_keys=True) + "\n")
+        kept = {**known, "scores": scores, **({"seeds": seeds} if seeds else {})}
+        tmp.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
         tmp.replace(path)
         return True
     return False
@@ -680,17 +689,22 @@ def seed_ranges(seeds: Iterable[int]) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def seeds_run_here(records: Path | None, env: dict[str, Any] | None) -> set[int]:
-    """Seeds with a committed record trained on `env`'s kind of machine: their step-0 score is known here."""
-    return {int(rec["seed"]) for rec in records_here(records, env)}
+def seeds_scored_here(records: Path | None, env: dict[str, Any] | None) -> set[int]:
+    """Seeds whose step-0 score is known on `env`'s kind of machine: those with a committed record trained
+    on it, and those its step-0 scores file names (a score computed ahead of the seed's runs)."""
+    seeds = {int(rec["seed"]) for rec in records_here(records, env)}
+    if records is not None and env is not None:
+        labels = _read_scores(step0_file(records, env)).get("seeds")
+        seeds |= {int(s) for s in labels.values()} if isinstance(labels, dict) else set()
+    return seeds
 
 
 def late_line(
     name: str, late: list[Run], expected: float, records: Path | None, env: dict[str, Any] | None, jobs: int
 ) -> str:
     """The line that says which runs --stop-at kept from starting (each arm's seeds, as ranges) and which
-    step-0 scores could fill the time left: those of the first `jobs` late seeds with no run recorded on
-    this kind of machine (a seed that has one has its score here already)."""
+    step-0 scores could fill the time left: those of the first `jobs` late seeds whose score is not known
+    on this kind of machine yet (`seeds_scored_here`)."""
     arms: dict[str, list[int]] = {}
     for r in late:
         arms.setdefault(r.arm, []).append(r.seed)
@@ -701,7 +715,7 @@ def late_line(
         f"{len(late)} runs not started: at {expected / 60:.0f} min a run (the median here) they would end "
         f"after the stop time ({which})"
     )
-    todo = sorted({r.seed for r in late} - seeds_run_here(records, env))[: max(jobs, 1)]
+    todo = sorted({r.seed for r in late} - seeds_scored_here(records, env))[: max(jobs, 1)]
     if not todo:
         return line + "; each of their seeds has its step-0 score on this kind of machine already"
     step0 = f"python -m studies step0 {name.split()[0]}{' --pilot' if ' pilot' in name else ''}"

@@ -63,9 +63,13 @@ def before_key(
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def cached_score(folder: Path | None, key: str, compute: Callable[[], float]) -> tuple[float, bool]:
+def cached_score(
+    folder: Path | None, key: str, compute: Callable[[], float], seed: int | None = None
+) -> tuple[float, bool]:
     """(score, reused): the score written under `key` in `folder`, else `compute()` written there
-    (atomically: runs in parallel may race; both write the same number). `folder` None: no cache."""
+    (atomically: runs in parallel may race; both write the same number). `folder` None: no cache.
+    `seed`, written beside a computed score, is a label only (the key already hashes it): it tells a
+    reader of the folder which seed's score an entry is without rebuilding the key."""
     if folder is None:
         return compute(), False
     path = folder / f"{key}.json"
@@ -76,7 +80,7 @@ def cached_score(folder: Path | None, key: str, compute: Callable[[], float]) ->
     score = compute()
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{key}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"score": score}))
+    tmp.write_text(json.dumps({"score": score, **({"seed": int(seed)} if seed is not None else {})}))
     tmp.replace(path)
     return score, False
 

@@ -156,7 +156,7 @@ def run(recipe: dict[str, Any], resume: bool = False, log: Callable[[str], Any] 
         log(f"held-out evaluation before training: {len(eval_rows)} prompts x {recipe['eval_samples']} each")
         folder = cache_folder()
         key = before_key(model, tokenizer, eval_rows, settings) if folder is not None else ""
-        before, reused = cached_score(folder, key, evaluate_now)
+        before, reused = cached_score(folder, key, evaluate_now, seed=recipe["seed"])
     if before is not None:
         same = ", reused: an earlier run's with the same model, prompts and seed" if reused else ""
         log(f"held-out reward before training: {before:.3f} ({len(eval_rows)} prompts{same})")

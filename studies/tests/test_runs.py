@@ -658,6 +658,7 @@ def test_step0_scores_are_committed_and_reused_by_a_new_checkout_on_the_same_kin
     assert seen == [False]
     kept = json.loads(runs.step0_file(records, here).read_text())
     assert kept["scores"] == {"k0": 0.25} and kept["machine"]["torch"] == "9.8"
+    assert "seeds" not in kept  # this fake run's entry names no seed: no label is made up
 
     fresh = [runs.Run(r.arm, r.seed, tmp_path / "b" / r.arm / "seed0", r.overrides) for r in chosen[1:]]
     said: list[str] = []
@@ -712,6 +713,21 @@ def test_a_run_that_would_end_after_the_stop_time_is_not_started(tmp_path, monke
     assert runs.execute("walk", "walk", fresh, jobs=1, log=lambda _: None, records=records, stop_at=soon)[
         0
     ].endswith("python -m studies step0 walk --seeds 1")
+    # seed 1's score computed ahead of its runs (`studies step0`: a cache entry that names its seed) is
+    # known here now, though no run of seed 1 has a record: the line offers the next seeds
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "k1.json").write_text(json.dumps({"score": 0.25, "seed": 1}))
+    (cache / "k9.json").write_text(json.dumps({"score": 0.5}))  # an entry from before seeds were named
+    assert runs.keep_step0_scores(cache, records, here)
+    assert json.loads(runs.step0_file(records, here).read_text())["seeds"] == {"k1": 1}
+    assert not runs.keep_step0_scores(cache, records, here)  # nothing new: the file is left alone
+    assert runs.seeds_scored_here(records, here) == {0, 1}
+    assert runs.seeds_scored_here(records, {**here, "torch": "9.9"}) == set()  # another kind's file
+    lines = runs.execute(
+        "walk pilot", "walk", fresh, jobs=2, log=lambda _: None, records=records, stop_at=soon
+    )
+    assert lines[0].endswith("python -m studies step0 walk --pilot --seeds 2-3")
     later = time.time() + 7200
     assert (
         runs.execute("walk", "walk", chosen[1:], jobs=1, log=lambda _: None, records=records, stop_at=later)

@@ -32,6 +32,8 @@ def test_a_score_computed_ahead_is_kept_and_found_by_a_new_checkout(tmp_path) ->
     (kept,) = (results / "runs" / "tiny" / runs.STEP0_SCORES).glob("*.json")
     scores = json.loads(kept.read_text())["scores"]
     assert len(scores) == 1 and 0 <= next(iter(scores.values())) <= 1
+    # the file names the score's seed, so --stop-at's line does not offer seed 7 to `step0` again
+    assert json.loads(kept.read_text())["seeds"] == {next(iter(scores)): 7}
     assert any("seed 7: step-0 held-out score" in line and "found" not in line for line in said)
 
     said.clear()  # a new checkout (another runs folder) of the same kind of machine

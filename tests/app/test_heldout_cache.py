@@ -82,6 +82,12 @@ def test_a_torn_or_foreign_file_is_computed_again(tmp_path: Path, content: str) 
     assert json.loads((tmp_path / "k.json").read_text()) == {"score": 0.25}
 
 
+def test_a_computed_score_is_labelled_with_its_seed_and_a_labelled_entry_is_reused(tmp_path: Path) -> None:
+    assert cached_score(tmp_path, "k", lambda: 0.25, seed=7) == (0.25, False)
+    assert json.loads((tmp_path / "k.json").read_text()) == {"score": 0.25, "seed": 7}
+    assert cached_score(tmp_path, "k", lambda: 0.5, seed=7) == (0.25, True)
+
+
 def test_no_folder_means_no_cache(tmp_path: Path) -> None:
     calls = []
     for _ in range(2):
