@@ -179,7 +179,14 @@ def compare(
     command = f"python -m studies compare {spec}" + (" --quick" if quick else "") + f" --jobs {jobs}"
     seconds = time.perf_counter() - start if train else None  # a rebuild's seconds say nothing: not shown
     page = report(exp, result, results, command, seconds, failures)
-    log(table(exp, result))
+    unrecorded = sum(not has_record(r, records) for r in runs) if train else 0
+    if unrecorded:  # a plan still running: whoever runs it stays blind to the interim numbers
+        log(
+            f"{exp.name}: {len(runs) - unrecorded} of {len(runs)} runs recorded; the interim page is {page}, "
+            "its numbers are not printed here (`--no-run` prints them)"
+        )
+    else:
+        log(table(exp, result))
     return page, failures
 
 

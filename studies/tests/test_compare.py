@@ -428,11 +428,25 @@ def test_protocol_errors(tmp_path, extra, message) -> None:
 @pytest.mark.parametrize("name", experiment_names())
 def test_quick_mode_end_to_end(tmp_path, name) -> None:
     lines: list[str] = []
+    exp = load_experiment(name, quick=True)
+    rows = lambda: [ln for ln in lines if any(f"| {arm} |" in ln for arm in exp.arms)]  # noqa: E731
+    if name == experiment_names()[0]:  # a share of the plan: whoever runs it is not shown the interim numbers
+        compare(
+            name,
+            quick=True,
+            jobs=2,
+            runs_dir=tmp_path / "share",
+            results=tmp_path / "share-out",
+            log=lines.append,
+            arms=[next(iter(exp.arms))],
+        )
+        assert f"1 of {len(exp.arms) * len(exp.seeds)} runs recorded; the interim page is" in lines[-1]
+        assert rows() == []
     page, failures = compare(
         name, quick=True, jobs=2, runs_dir=tmp_path / "runs", results=tmp_path / "out", log=lines.append
     )
     assert failures == []
-    exp = load_experiment(name, quick=True)
+    assert len(rows()) == 1  # the whole plan recorded: the per-arm table is printed
     text = page.read_text()
     for arm in exp.arms:
         assert f"| {arm} | {len(exp.seeds)} |" in text
