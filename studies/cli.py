@@ -2,6 +2,7 @@
 
 python -m studies compare EXPERIMENT [--quick|--pilot] [--jobs 2] [--seeds 9-14]   registered experiments
 python -m studies step0 EXPERIMENT [--pilot] --seeds 0-15 [--jobs 2]            step-0 scores ahead of runs
+python -m studies progress EXPERIMENT [--seeds 20-21]                           runs' spending, no results
 python -m studies claims [--results docs/results] [--readme README.md]           the claims page
 python -m studies phenomenon EXPERIMENT [--results docs/results]                 its phenomenon, run by run
 python -m studies variance [--quick] [--out DIR] [...]                           gradient noise per estimator
@@ -28,6 +29,7 @@ from studies import variance, variance_a_cli
 from studies.claims import BEGIN, STUDIES, proxy_claim, sync_readme, variance_claim, write_claims
 from studies.compare import RESULTS, compare, experiment_names, pilot
 from studies.phenomenon import phenomenon
+from studies.progress import progress, table
 from studies.runs import commit_files
 from studies.step0 import ahead
 
@@ -302,6 +304,31 @@ def add_compare(sub: Subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def progress_command(args: argparse.Namespace, rest: list[str]) -> None:
+    if rest:
+        raise fail(f"progress: unexpected arguments {rest}")
+    try:
+        rows, recorded, planned = progress(args.experiment, args.seeds, args.runs_dir, args.results)
+    except ValueError as err:
+        raise fail(str(err)) from None
+    print(f"{Path(args.experiment).stem}: {recorded} of {planned} runs recorded")
+    print(table(rows) if rows else "no run here without a record (--seeds shows recorded ones too)")
+
+
+def add_progress(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "progress",
+        help="how far an experiment's runs have got (steps, tokens, time, checkpoint); shows no result",
+    )
+    p.add_argument("experiment", help=f"an experiment: {', '.join(experiment_names())}")
+    p.add_argument(
+        "--seeds", type=int_list, help="every run of these seeds (default: runs here without a record)"
+    )
+    p.add_argument("--runs-dir", type=Path, help="the experiment's runs folder (default runs/compare/NAME)")
+    p.add_argument("--results", type=Path, help="where the records are (default docs/results)")
+    return p
+
+
 def add_claims(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("claims", help="write claims.md from the studies' results (verdicts by rule)")
     p.add_argument(
@@ -332,6 +359,7 @@ Subparsers = Any  # what ArgumentParser.add_subparsers returns (its class is pri
 SUBCOMMANDS = {
     "compare": (add_compare, compare_command),
     "step0": (add_step0, step0_command),
+    "progress": (add_progress, progress_command),
     "claims": (add_claims, claims_command),
     "phenomenon": (add_phenomenon, phenomenon_command),
     "variance": (add_variance, variance_command),
